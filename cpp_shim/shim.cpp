@@ -1,0 +1,617 @@
+// Implementation of shim.h. Only what Rust and Python cannot do on a stock torch wheel:
+// every entry point catches all C++ exceptions and turns them into an rg_status.
+#include "shim.h"
+
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/edge.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/python_cpp_function.h>
+#include <torch/csrc/autograd/python_function.h>
+#include <torch/csrc/autograd/python_hook.h>
+#include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/dynamo/compiled_autograd.h>
+
+#include <ATen/SavedTensorHooks.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <typeinfo>
+#include <utility>
+#include <vector>
+
+using torch::autograd::AccumulateGrad;
+using torch::autograd::Edge;
+using torch::autograd::edge_list;
+using torch::autograd::FunctionPreHook;
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+using torch::dynamo::autograd::AutogradCompilerCall;
+using torch::dynamo::autograd::CompiledNodeArgs;
+using torch::dynamo::autograd::SizeInput;
+using torch::dynamo::autograd::TensorArg;
+using torch::dynamo::autograd::TensorArgs;
+
+namespace {
+
+// ---- errors ------------------------------------------------------------------------------
+
+thread_local std::string last_message;
+thread_local int last_kind = RG_KIND_RUNTIME;
+
+rg_status fail(int kind, const char* message) {
+  last_kind = kind;
+  last_message = message;
+  return RG_ERROR;
+}
+
+// Maps the in-flight exception to a status, the way torch's HANDLE_TH_ERRORS maps it to a
+// Python exception type.
+rg_status translate_current_exception() {
+  try {
+    throw;
+  } catch (python_error& e) {
+    e.restore();
+    return RG_PYTHON_ERROR;
+  } catch (const c10::IndexError& e) {
+    return fail(RG_KIND_INDEX, e.what_without_backtrace());
+  } catch (const c10::ValueError& e) {
+    return fail(RG_KIND_VALUE, e.what_without_backtrace());
+  } catch (const c10::TypeError& e) {
+    return fail(RG_KIND_TYPE, e.what_without_backtrace());
+  } catch (const c10::NotImplementedError& e) {
+    return fail(RG_KIND_NOT_IMPLEMENTED, e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    return fail(RG_KIND_RUNTIME, e.what_without_backtrace());
+  } catch (const std::bad_alloc& e) {
+    return fail(RG_KIND_MEMORY, e.what());
+  } catch (const std::exception& e) {
+    return fail(RG_KIND_RUNTIME, e.what());
+  } catch (...) {
+    return fail(RG_KIND_RUNTIME, "unknown C++ exception");
+  }
+}
+
+#define RG_TRY try {
+#define RG_CATCH                        \
+  }                                     \
+  catch (...) {                         \
+    return translate_current_exception(); \
+  }                                     \
+  return RG_OK;
+
+// The opaque C types are never defined: they are the torch types themselves.
+Node* as_node(rg_node* n) {
+  return reinterpret_cast<Node*>(n);
+}
+rg_node* as_rg(Node* n) {
+  return reinterpret_cast<rg_node*>(n);
+}
+const at::Tensor& as_tensor(const rg_tensor* t) {
+  return *reinterpret_cast<const at::Tensor*>(t);
+}
+SavedVariable* as_sv(const rg_sv* sv) {
+  return const_cast<SavedVariable*>(reinterpret_cast<const SavedVariable*>(sv));
+}
+rg_tensor* new_handle(at::Tensor t) {
+  if (!t.defined()) {
+    return nullptr;
+  }
+  return reinterpret_cast<rg_tensor*>(new at::Tensor(std::move(t)));
+}
+variable_list to_list(const rg_tensor* const* ts, size_t n) {
+  variable_list out;
+  out.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    out.emplace_back(ts[i] ? as_tensor(ts[i]) : at::Tensor());
+  }
+  return out;
+}
+void write_list(variable_list&& list, rg_tensor** out) {
+  for (size_t i = 0; i < list.size(); ++i) {
+    out[i] = new_handle(std::move(list[i]));
+  }
+}
+
+// Node types are told apart by their C++ type name: PyNode and the Python hook structs
+// export no typeinfo from libtorch_python, so dynamic_cast cannot reach them.
+constexpr const char* kPyNode = "N5torch8autograd6PyNodeE";
+constexpr const char* kCppNodePrefix = "N5torch8autograd7CppNodeI";
+constexpr const char* kPyTensorPreHook = "N5torch8autograd23PyFunctionTensorPreHookE";
+constexpr const char* kPyPreHook = "N5torch8autograd17PyFunctionPreHookE";
+constexpr const char* kPyPostHook = "N5torch8autograd18PyFunctionPostHookE";
+
+template <typename T>
+bool type_is(const T& obj, const char* mangled) {
+  return std::strcmp(typeid(obj).name(), mangled) == 0;
+}
+
+rg_node_kind kind_of(Node& node) {
+  if (dynamic_cast<AccumulateGrad*>(&node)) {
+    return RG_NODE_ACCUMULATE_GRAD;
+  }
+  const char* name = typeid(node).name();
+  if (std::strcmp(name, kPyNode) == 0) {
+    return RG_NODE_PYTHON;
+  }
+  if (std::strncmp(name, kCppNodePrefix, std::strlen(kCppNodePrefix)) == 0) {
+    return RG_NODE_CPP_FUNCTION;
+  }
+  return RG_NODE_GENERIC;
+}
+
+// TensorArgs keeps the SavedVariable -> TensorArg map that compiled_args fills private.
+// Explicit instantiation may name private members; this reads that one field.
+using SavedVariableMap = std::unordered_map<const SavedVariable*, TensorArg*>;
+template <typename Tag, typename Tag::type Member>
+struct PrivateAccess {
+  friend typename Tag::type get(Tag) {
+    return Member;
+  }
+};
+struct TensorArgsSavedVariables {
+  using type = SavedVariableMap TensorArgs::*;
+  friend type get(TensorArgsSavedVariables);
+};
+template struct PrivateAccess<TensorArgsSavedVariables, &TensorArgs::_saved_variables>;
+
+SavedVariableMap& saved_variable_map(TensorArgs& args) {
+  return args.*get(TensorArgsSavedVariables());
+}
+
+// Builds a SavedVariable from `t` the way SwapSavedVariables::before does: with the user's
+// default saved-tensor hooks off, so no pack hook runs for our replacement.
+SavedVariable make_saved(const at::Tensor& t) {
+  bool prior = at::SavedTensorDefaultHooks::set_tracing(true);
+  try {
+    SavedVariable sv(t, /*is_output=*/false);
+    at::SavedTensorDefaultHooks::set_tracing(prior);
+    return sv;
+  } catch (...) {
+    at::SavedTensorDefaultHooks::set_tracing(prior);
+    throw;
+  }
+}
+
+// Swaps given values into a node's SavedVariables and swaps the originals back when it goes
+// out of scope, so an exception from the node (or from Python) leaves the graph intact.
+class SavedSwap {
+ public:
+  SavedSwap() = default;
+  // Swapping happens after construction so that the destructor undoes a partial swap.
+  void swap_in(const rg_sv* const* svs, const rg_tensor* const* values, size_t n) {
+    stash_.reserve(n);
+    targets_.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+      stash_.push_back(make_saved(values[i] ? as_tensor(values[i]) : at::Tensor()));
+      std::swap(*as_sv(svs[i]), stash_.back());
+      targets_.push_back(as_sv(svs[i]));
+    }
+  }
+  ~SavedSwap() {
+    for (size_t i = 0; i < targets_.size(); ++i) {
+      std::swap(*targets_[i], stash_[i]);
+    }
+  }
+  SavedSwap(const SavedSwap&) = delete;
+  SavedSwap& operator=(const SavedSwap&) = delete;
+
+ private:
+  std::vector<SavedVariable> stash_;
+  std::vector<SavedVariable*> targets_;
+};
+
+} // namespace
+
+struct rg_collector {
+  AutogradCompilerCall compiler{SizeInput::STATIC};
+  std::vector<const SavedVariable*> svs;
+  std::vector<at::Tensor> values;
+  std::vector<uint8_t> key;
+  std::vector<int64_t> sizes;
+};
+
+extern "C" {
+
+const char* rg_last_error_message(void) {
+  return last_message.c_str();
+}
+
+int rg_last_error_kind(void) {
+  return last_kind;
+}
+
+void rg_node_incref(rg_node* node) {
+  c10::raw::intrusive_ptr::incref(as_node(node));
+}
+
+void rg_node_decref(rg_node* node) {
+  c10::raw::intrusive_ptr::decref(as_node(node));
+}
+
+rg_status rg_tensor_gradient_edge(const rg_tensor* t, rg_node** node, uint32_t* input_nr) {
+  RG_TRY
+  *node = nullptr;
+  *input_nr = 0;
+  const at::Tensor& tensor = as_tensor(t);
+  if (!tensor.defined() || (!tensor.requires_grad() && !tensor.grad_fn())) {
+    return RG_OK;
+  }
+  Edge edge = torch::autograd::impl::gradient_edge(tensor);
+  if (edge.function) {
+    *input_nr = edge.input_nr;
+    *node = as_rg(edge.function.release());
+  }
+  RG_CATCH
+}
+
+rg_status rg_node_from_pyobject(PyObject* obj, rg_node** node) {
+  RG_TRY
+  *node = nullptr;
+  c10::intrusive_ptr<Node> found;
+  if (torch::autograd::THPCppFunction_Check(obj)) {
+    found = reinterpret_cast<torch::autograd::THPCppFunction*>(obj)->cdata;
+  } else if (THPFunction_Check(obj)) {
+    found = reinterpret_cast<THPFunction*>(obj)->cdata;
+  }
+  if (found) {
+    *node = as_rg(found.release());
+  }
+  RG_CATCH
+}
+
+rg_status rg_node_to_pyobject(rg_node* node, PyObject** out) {
+  RG_TRY
+  *out = torch::autograd::functionToPyObject(as_node(node)->getptr());
+  if (!*out) {
+    throw python_error();
+  }
+  RG_CATCH
+}
+
+rg_status rg_node_get_info(rg_node* n, rg_node_info* info) {
+  RG_TRY
+  Node& node = *as_node(n);
+  info->sequence_nr = node.sequence_nr();
+  info->type_name = typeid(node).name();
+  info->kind = kind_of(node);
+  info->num_inputs = static_cast<uint32_t>(node.num_inputs());
+  info->num_outputs = static_cast<uint32_t>(node.num_outputs());
+  info->num_tensor_pre_hooks = static_cast<uint32_t>(node.tensor_pre_hooks().size());
+  info->num_retains_grad_hooks = static_cast<uint32_t>(node.retains_grad_hooks().size());
+  info->num_pre_hooks = static_cast<uint32_t>(node.pre_hooks().size());
+  info->num_post_hooks = static_cast<uint32_t>(node.post_hooks().size());
+  info->has_post_acc_grad_hooks = node.tensor_post_acc_grad_hooks() != nullptr;
+  RG_CATCH
+}
+
+rg_status rg_node_next_edges(rg_node* n, rg_node** nodes, uint32_t* input_nrs, size_t count) {
+  RG_TRY
+  const edge_list& edges = as_node(n)->next_edges();
+  if (count > edges.size()) {
+    return fail(RG_KIND_INDEX, "rg_node_next_edges: more edges asked for than the node has");
+  }
+  for (size_t i = 0; i < count; ++i) {
+    nodes[i] = as_rg(edges[i].function.get());
+    input_nrs[i] = edges[i].input_nr;
+  }
+  RG_CATCH
+}
+
+rg_status rg_node_name(rg_node* n, char* buf, size_t cap, size_t* len) {
+  RG_TRY
+  std::string name = as_node(n)->name();
+  *len = name.size();
+  if (cap > 0) {
+    size_t k = std::min(cap - 1, name.size());
+    std::memcpy(buf, name.data(), k);
+    buf[k] = '\0';
+  }
+  RG_CATCH
+}
+
+rg_status rg_node_is_traceable(rg_node* n, int* out) {
+  RG_TRY
+  *out = 0;
+  try {
+    *out = as_node(n)->is_traceable() ? 1 : 0;
+  } catch (python_error&) {
+    // PyNode::is_traceable reads the class attribute `is_traceable`, which
+    // torch.autograd.Function does not define in 2.13: not traceable.
+    PyErr_Clear();
+  }
+  RG_CATCH
+}
+
+rg_status rg_node_input_metadata(rg_node* n, uint32_t i, int32_t* dtype, int32_t* device_type,
+                                 int32_t* device_index, int64_t* shape, size_t cap, size_t* ndim) {
+  RG_TRY
+  Node& node = *as_node(n);
+  if (i >= node.num_inputs()) {
+    return fail(RG_KIND_INDEX, "rg_node_input_metadata: input index out of range");
+  }
+  const auto& meta = node.input_metadata(i);
+  *dtype = static_cast<int32_t>(c10::typeMetaToScalarType(meta.dtype()));
+  *device_type = static_cast<int32_t>(meta.device().type());
+  *device_index = meta.device().index();
+  if (meta.is_nested_tensor() || meta.is_cpp_nested_tensor()) {
+    *ndim = 0;
+    return RG_OK;
+  }
+  auto sizes = meta.shape_as_dim_vector();
+  *ndim = sizes.size();
+  for (size_t d = 0; d < sizes.size() && d < cap; ++d) {
+    shape[d] = sizes[d].guard_int(__FILE__, __LINE__);
+  }
+  RG_CATCH
+}
+
+rg_status rg_node_hook_dict(rg_node* n, int kind, size_t i, int* is_python, PyObject** dict,
+                            int64_t* value_idx) {
+  RG_TRY
+  Node& node = *as_node(n);
+  if (dict) {
+    *dict = nullptr;
+  }
+  *value_idx = -1;
+  PyObject* found = nullptr;
+  switch (kind) {
+    case RG_HOOK_TENSOR_PRE: {
+      auto& hooks = node.tensor_pre_hooks();
+      if (i >= hooks.size()) {
+        return fail(RG_KIND_INDEX, "rg_node_hook_dict: tensor pre-hook index out of range");
+      }
+      if (type_is(*hooks[i], kPyTensorPreHook)) {
+        auto* h = static_cast<torch::autograd::PyFunctionTensorPreHook*>(hooks[i].get());
+        found = h->dict;
+        *value_idx = static_cast<int64_t>(h->value_idx);
+      }
+      break;
+    }
+    case RG_HOOK_PRE: {
+      auto& hooks = node.pre_hooks();
+      if (i >= hooks.size()) {
+        return fail(RG_KIND_INDEX, "rg_node_hook_dict: pre-hook index out of range");
+      }
+      if (type_is(*hooks[i], kPyPreHook)) {
+        found = static_cast<torch::autograd::PyFunctionPreHook*>(hooks[i].get())->dict;
+      }
+      break;
+    }
+    case RG_HOOK_POST: {
+      auto& hooks = node.post_hooks();
+      if (i >= hooks.size()) {
+        return fail(RG_KIND_INDEX, "rg_node_hook_dict: post-hook index out of range");
+      }
+      if (type_is(*hooks[i], kPyPostHook)) {
+        found = static_cast<torch::autograd::PyFunctionPostHook*>(hooks[i].get())->dict;
+      }
+      break;
+    }
+    case RG_HOOK_RETAINS_GRAD:
+      break; // always C++ (retain_grad())
+    default:
+      return fail(RG_KIND_VALUE, "rg_node_hook_dict: unknown hook kind");
+  }
+  if (is_python) {
+    *is_python = found != nullptr;
+  }
+  if (found && dict) {
+    Py_INCREF(found);
+    *dict = found;
+  }
+  RG_CATCH
+}
+
+rg_status rg_node_retains_grad_outputs(rg_node* n, uint32_t* outputs, size_t count) {
+  RG_TRY
+  auto& hooks = as_node(n)->retains_grad_hooks();
+  if (count != hooks.size()) {
+    return fail(RG_KIND_INDEX, "rg_node_retains_grad_outputs: wrong count");
+  }
+  size_t k = 0;
+  for (const auto& entry : hooks) {
+    outputs[k++] = static_cast<uint32_t>(entry.first);
+  }
+  std::sort(outputs, outputs + count);
+  RG_CATCH
+}
+
+rg_status rg_node_call_pre_hook(rg_node* n, int kind, size_t i, const rg_tensor* const* values,
+                                size_t count, rg_tensor** out) {
+  RG_TRY
+  Node& node = *as_node(n);
+  FunctionPreHook* hook = nullptr;
+  if (kind == RG_HOOK_TENSOR_PRE && i < node.tensor_pre_hooks().size()) {
+    hook = node.tensor_pre_hooks()[i].get();
+  } else if (kind == RG_HOOK_PRE && i < node.pre_hooks().size()) {
+    hook = node.pre_hooks()[i].get();
+  } else if (kind == RG_HOOK_RETAINS_GRAD) {
+    auto it = node.retains_grad_hooks().find(i);
+    if (it != node.retains_grad_hooks().end()) {
+      hook = it->second.get();
+    }
+  }
+  if (!hook) {
+    return fail(RG_KIND_INDEX, "rg_node_call_pre_hook: no such hook");
+  }
+  variable_list result = (*hook)(to_list(values, count));
+  if (result.size() != count) {
+    return fail(RG_KIND_RUNTIME, "rg_node_call_pre_hook: hook changed the number of values");
+  }
+  write_list(std::move(result), out);
+  RG_CATCH
+}
+
+rg_status rg_node_call_post_hook(rg_node* n, size_t i, const rg_tensor* const* outputs,
+                                 size_t n_outputs, const rg_tensor* const* inputs, size_t n_inputs,
+                                 rg_tensor** out) {
+  RG_TRY
+  Node& node = *as_node(n);
+  if (i >= node.post_hooks().size()) {
+    return fail(RG_KIND_INDEX, "rg_node_call_post_hook: no such hook");
+  }
+  variable_list result =
+      (*node.post_hooks()[i])(to_list(outputs, n_outputs), to_list(inputs, n_inputs));
+  if (result.size() != n_outputs) {
+    return fail(RG_KIND_RUNTIME, "rg_node_call_post_hook: hook changed the number of values");
+  }
+  write_list(std::move(result), out);
+  RG_CATCH
+}
+
+rg_status rg_collector_new(rg_collector** out) {
+  RG_TRY
+  *out = new rg_collector();
+  RG_CATCH
+}
+
+void rg_collector_free(rg_collector* c) {
+  delete c;
+}
+
+rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t* n_saved,
+                             const uint8_t** key, size_t* key_len, const int64_t** sizes,
+                             size_t* n_sizes) {
+  RG_TRY
+  *supported = 1;
+  *n_saved = 0;
+  c->key.clear();
+  c->sizes.clear();
+  Node& node = *as_node(n);
+  AutogradCompilerCall& compiler = c->compiler;
+  SavedVariableMap& unpacked = saved_variable_map(compiler.tensor_args);
+  unpacked.clear();
+  compiler.sv_to_hooks.clear();
+  size_t sizes_before = compiler.all_size_inputs.size();
+
+  auto node_ptr = node.getptr();
+  auto& node_call = compiler.node_calls.lookup(node_ptr);
+  CompiledNodeArgs args(compiler, node_call);
+  try {
+    node.compiled_args(args);
+  } catch (const c10::NotImplementedError&) {
+    // A node type that does not describe its state (e.g. a third-party Node subclass):
+    // it can only run as itself.
+    *supported = 0;
+    *key_len = 0;
+    *n_sizes = 0;
+    unpacked.clear();
+    compiler.sv_to_hooks.clear();
+    return RG_OK;
+  }
+  auto node_key = args.key();
+  c->key.assign(node_key.key, node_key.key + node_key.key_size);
+  for (size_t i = sizes_before; i < compiler.all_size_inputs.size(); ++i) {
+    c->sizes.push_back(compiler.all_size_inputs[i].value);
+  }
+
+  // Deterministic slot order. Unpacked values first, by TensorArg id (ids follow the
+  // collection order; equal ids mean the same tensor, so their relative order is moot),
+  // then values behind saved-tensor hooks, by hook id (also collection order).
+  std::vector<std::pair<std::pair<uint32_t, uintptr_t>, const SavedVariable*>> plain;
+  plain.reserve(unpacked.size());
+  for (const auto& [sv, arg] : unpacked) {
+    plain.push_back({{arg->id, reinterpret_cast<uintptr_t>(sv)}, sv});
+  }
+  std::sort(plain.begin(), plain.end());
+  std::vector<std::pair<size_t, const SavedVariable*>> hooked;
+  for (const auto& [sv, ids] : compiler.sv_to_hooks) {
+    hooked.push_back({ids.first, sv});
+  }
+  std::sort(hooked.begin(), hooked.end());
+
+  for (const auto& [order, sv] : plain) {
+    const TensorArg* arg = unpacked.at(sv);
+    at::Tensor value;
+    if (arg->defined()) {
+      value = compiler.tensor_args.inputs[arg->index()].detach();
+    }
+    c->svs.push_back(sv);
+    c->values.push_back(std::move(value));
+  }
+  for (const auto& [hook_id, sv] : hooked) {
+    // Unpacking runs the user's unpack hook, as the node itself would.
+    at::Tensor value = sv->unpack(node_ptr);
+    c->svs.push_back(sv);
+    c->values.push_back(value.defined() ? value.detach() : value);
+  }
+  *n_saved = plain.size() + hooked.size();
+  *key = c->key.data();
+  *key_len = c->key.size();
+  *sizes = c->sizes.data();
+  *n_sizes = c->sizes.size();
+  unpacked.clear();
+  compiler.sv_to_hooks.clear();
+  RG_CATCH
+}
+
+size_t rg_collector_len(const rg_collector* c) {
+  return c->svs.size();
+}
+
+rg_status rg_collector_slot(const rg_collector* c, size_t i, const rg_sv** sv, rg_tensor** value) {
+  RG_TRY
+  if (i >= c->svs.size()) {
+    return fail(RG_KIND_INDEX, "rg_collector_slot: slot out of range");
+  }
+  *sv = reinterpret_cast<const rg_sv*>(c->svs[i]);
+  *value = new_handle(c->values[i]);
+  RG_CATCH
+}
+
+rg_status rg_node_apply(rg_node* n, const rg_tensor* const* inputs, size_t n_inputs,
+                        const rg_sv* const* svs, const rg_tensor* const* saved, size_t n_saved,
+                        rg_tensor** out, size_t cap, size_t* n_out) {
+  RG_TRY
+  Node& node = *as_node(n);
+  *n_out = 0;
+  variable_list outputs;
+  {
+    SavedSwap swap;
+    swap.swap_in(svs, saved, n_saved);
+    at::AutoGradMode grad_mode(false);
+    outputs = node(to_list(inputs, n_inputs));
+    // Engine's call_function: outputs are checked and cast against the next nodes' input
+    // metadata before anything else sees them.
+    torch::autograd::validate_outputs(node.next_edges(), outputs, [&](const std::string& msg) {
+      return "Function " + node.name() + " returned an " + msg;
+    });
+  }
+  if (outputs.size() > cap) {
+    return fail(RG_KIND_RUNTIME, "rg_node_apply: node returned more outputs than it has edges");
+  }
+  *n_out = outputs.size();
+  write_list(std::move(outputs), out);
+  RG_CATCH
+}
+
+rg_status rg_validate_root_grads(rg_node* const* nodes, const uint32_t* input_nrs, size_t n,
+                                 const rg_tensor* const* grads, rg_tensor** out) {
+  RG_TRY
+  edge_list edges;
+  for (size_t i = 0; i < n; ++i) {
+    if (nodes[i]) {
+      edges.emplace_back(c10::intrusive_ptr<Node>::reclaim_copy(as_node(nodes[i])), input_nrs[i]);
+    } else {
+      edges.emplace_back();
+    }
+  }
+  variable_list values = to_list(grads, n);
+  torch::autograd::validate_outputs(edges, values, [](const std::string& msg) { return msg; });
+  write_list(std::move(values), out);
+  RG_CATCH
+}
+
+rg_status rg_node_release_variables(rg_node* n) {
+  RG_TRY
+  as_node(n)->release_variables();
+  RG_CATCH
+}
+
+} // extern "C"

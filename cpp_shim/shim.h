@@ -1,0 +1,154 @@
+// replaygrad's C++ shim: the C ABI over the torch internals that Rust and Python cannot
+// reach on a stock torch wheel. It makes no decisions; the Rust crate (rust/ffi.rs) is its
+// only caller.
+//
+// Conventions
+// - Every function returns an rg_status. On RG_ERROR the message and kind are available
+//   from rg_last_error_message / rg_last_error_kind (thread-local, valid until the next
+//   failing call on this thread). On RG_PYTHON_ERROR a Python exception is set (it was
+//   raised by Python code the call ran: a hook, a custom Function's backward).
+// - rg_node is torch::autograd::Node, rg_tensor is at::Tensor (tch's C_tensor), rg_sv is
+//   torch::autograd::SavedVariable.
+// - A function that "returns a new reference" to a node hands the caller one strong
+//   reference, to be dropped with rg_node_decref. Borrowed pointers stay valid while the
+//   node that handed them out is alive.
+// - Tensors handed out are new heap at::Tensor handles owned by the caller (tch's
+//   Tensor::from_ptr takes them); a null tensor pointer means "undefined tensor" (None).
+// - Functions that touch Python objects or call Python code need the GIL.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct _object PyObject;
+typedef struct rg_node rg_node;
+typedef struct rg_tensor rg_tensor;
+typedef struct rg_sv rg_sv;
+typedef struct rg_collector rg_collector;
+
+typedef enum {
+  RG_OK = 0,
+  RG_ERROR = 1,
+  RG_PYTHON_ERROR = 2,
+} rg_status;
+
+// The Python exception type torch raises for the C++ exception that failed the call.
+typedef enum {
+  RG_KIND_RUNTIME = 0,
+  RG_KIND_INDEX = 1,
+  RG_KIND_VALUE = 2,
+  RG_KIND_TYPE = 3,
+  RG_KIND_NOT_IMPLEMENTED = 4,
+  RG_KIND_MEMORY = 5,
+} rg_error_kind;
+
+const char* rg_last_error_message(void);
+int rg_last_error_kind(void);
+
+// ---- node handles ----------------------------------------------------------------------
+void rg_node_incref(rg_node* node);
+void rg_node_decref(rg_node* node);
+// The gradient edge of a tensor: (grad_fn, output_nr) for a non-leaf, (AccumulateGrad, 0)
+// for a leaf that requires grad, a null node otherwise. New reference.
+rg_status rg_tensor_gradient_edge(const rg_tensor* t, rg_node** node, uint32_t* input_nr);
+// The node behind a Python grad_fn object (C++ node or Python custom Function context).
+// New reference; null if `obj` is neither.
+rg_status rg_node_from_pyobject(PyObject* obj, rg_node** node);
+// The Python object for a node (the same object on every call). New reference.
+rg_status rg_node_to_pyobject(rg_node* node, PyObject** out);
+
+typedef enum {
+  RG_NODE_GENERIC = 0,      // generated nodes and other C++ nodes
+  RG_NODE_ACCUMULATE_GRAD = 1,
+  RG_NODE_PYTHON = 2,       // PyNode: a Python torch.autograd.Function
+  RG_NODE_CPP_FUNCTION = 3, // CppNode<T>: a C++ torch::autograd::Function
+} rg_node_kind;
+
+typedef struct {
+  uint64_t sequence_nr;
+  // typeid(*node).name(): static storage, identifies the C++ type.
+  const char* type_name;
+  uint32_t kind;
+  uint32_t num_inputs;
+  uint32_t num_outputs;
+  uint32_t num_tensor_pre_hooks;
+  uint32_t num_retains_grad_hooks;
+  uint32_t num_pre_hooks;
+  uint32_t num_post_hooks;
+  uint32_t has_post_acc_grad_hooks;
+} rg_node_info;
+
+rg_status rg_node_get_info(rg_node* node, rg_node_info* info);
+// Fills next_edges()[0..n): borrowed node pointers (null for invalid edges) and input_nrs.
+rg_status rg_node_next_edges(rg_node* node, rg_node** nodes, uint32_t* input_nrs, size_t n);
+// node->name() into buf (truncated to cap); *len is the full length.
+rg_status rg_node_name(rg_node* node, char* buf, size_t cap, size_t* len);
+// node->is_traceable(); a Python Function without an `is_traceable` attribute is not
+// traceable (torch raises AttributeError there; the error is cleared).
+rg_status rg_node_is_traceable(rg_node* node, int* out);
+// input_metadata(i): dtype (c10::ScalarType), device type and index, dim count and shape
+// (shape written up to cap entries).
+rg_status rg_node_input_metadata(rg_node* node, uint32_t i, int32_t* dtype, int32_t* device_type,
+                                 int32_t* device_index, int64_t* shape, size_t cap, size_t* ndim);
+
+// ---- hooks -----------------------------------------------------------------------------
+typedef enum {
+  RG_HOOK_TENSOR_PRE = 0, // tensor_pre_hooks()[i]
+  RG_HOOK_PRE = 1,        // pre_hooks()[i]
+  RG_HOOK_POST = 2,       // post_hooks()[i]
+  RG_HOOK_RETAINS_GRAD = 3, // retains_grad_hooks()[i]: i is the output index it watches
+} rg_hook_kind;
+
+// Whether a hook is a Python hook (backed by a dict of callables), the dict itself (a new
+// reference; pass dict = NULL to skip it, e.g. without Python) and, for tensor pre-hooks,
+// the input it watches (-1 otherwise). A C++ hook (e.g. retain_grad()) has no dict.
+rg_status rg_node_hook_dict(rg_node* node, int kind, size_t i, int* is_python, PyObject** dict,
+                            int64_t* value_idx);
+// The outputs (sorted) that carry a retains_grad hook.
+rg_status rg_node_retains_grad_outputs(rg_node* node, uint32_t* outputs, size_t n);
+// Runs one pre-kind hook (tensor pre, pre, retains grad) on `values` as the engine does and
+// writes the resulting list (same length) to out.
+rg_status rg_node_call_pre_hook(rg_node* node, int kind, size_t i, const rg_tensor* const* values,
+                                size_t n, rg_tensor** out);
+// Runs post_hooks()[i](outputs, inputs); writes the new outputs (same length as outputs).
+rg_status rg_node_call_post_hook(rg_node* node, size_t i, const rg_tensor* const* outputs,
+                                 size_t n_outputs, const rg_tensor* const* inputs, size_t n_inputs,
+                                 rg_tensor** out);
+
+// ---- saved values ----------------------------------------------------------------------
+rg_status rg_collector_new(rg_collector** out);
+void rg_collector_free(rg_collector* c);
+// Visits node->compiled_args(): appends each SavedVariable of the node (in a deterministic
+// order: collection order of their tensors, hooked ones last) and its unpacked value to the
+// collector. Outputs the number appended, the node's specialisation bytes and size inputs
+// (valid until the next call). *supported is 0 when the node does not implement
+// compiled_args (nothing is appended then).
+rg_status rg_collector_visit(rg_collector* c, rg_node* node, int* supported, size_t* n_saved,
+                             const uint8_t** key, size_t* key_len, const int64_t** sizes,
+                             size_t* n_sizes);
+size_t rg_collector_len(const rg_collector* c);
+// Slot i: the SavedVariable's address (borrowed) and a new handle to its unpacked value,
+// detached from the graph (null for an undefined saved value).
+rg_status rg_collector_slot(const rg_collector* c, size_t i, const rg_sv** sv, rg_tensor** value);
+
+// ---- running nodes ---------------------------------------------------------------------
+// Runs node(inputs) with grad mode off and then validate_outputs(next_edges) as the engine's
+// call_function does. If n_saved > 0, each svs[i] is first swapped with a SavedVariable built
+// from saved[i] (no saved-tensor hooks run) and swapped back afterwards, also on error.
+// Writes num_outputs tensors to out (caller provides num_outputs slots), *n_out = count.
+rg_status rg_node_apply(rg_node* node, const rg_tensor* const* inputs, size_t n_inputs,
+                        const rg_sv* const* svs, const rg_tensor* const* saved, size_t n_saved,
+                        rg_tensor** out, size_t cap, size_t* n_out);
+// validate_outputs over root edges (nodes may be null for edges of tensors that need no
+// grad), as Engine::execute does before running; writes the checked/cast grads to out.
+rg_status rg_validate_root_grads(rg_node* const* nodes, const uint32_t* input_nrs, size_t n,
+                                 const rg_tensor* const* grads, rg_tensor** out);
+rg_status rg_node_release_variables(rg_node* node);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,283 @@
+"""The replay: a straight-line Python function, generated from a plan, that runs the backward
+the way torch/csrc/autograd/engine.cpp does, one statement block per engine step.
+
+A replay depends only on the plan's structure (its key). Everything that changes from one
+backward call to the next is an argument: the root gradients, the saved values, the hook
+callables. Nodes are reached through the plan being run (``current_plan``), by step number,
+inside functions Dynamo does not trace, so a compiled replay carries no guard on this
+iteration's graph and is reused across iterations.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import _core
+
+_tls = threading.local()
+
+
+def current_plan() -> _core.Plan:
+    """The plan whose replay is running on this thread."""
+    plan = getattr(_tls, "plan", None)
+    if plan is None:
+        raise RuntimeError("replaygrad: a replay step ran outside of a replay")
+    return plan
+
+
+class running:
+    """Makes ``plan`` the current plan of this thread for the duration of a replay."""
+
+    def __init__(self, plan: _core.Plan) -> None:
+        self.plan = plan
+
+    def __enter__(self) -> None:
+        self.prior = getattr(_tls, "plan", None)
+        _tls.plan = self.plan
+
+    def __exit__(self, *exc: object) -> None:
+        _tls.plan = self.prior
+
+
+# ---- steps the replay calls --------------------------------------------------------------
+
+
+@torch._dynamo.allow_in_graph
+def apply_traced(step: int, inputs: list, saved: list) -> tuple:
+    """A traced step: the current plan's node, called with ``saved`` swapped in.
+
+    In the graph, Dynamo does not look inside (so no guard on the node); AOTAutograd and
+    the eager backend call it with the values being traced or run.
+    """
+    return current_plan().apply(step, inputs, saved)
+
+
+@torch._dynamo.disable
+def apply_opaque(step: int, inputs: list) -> tuple:
+    """An opaque step: a graph break that runs the current graph's node as itself."""
+    return current_plan().apply(step, inputs)
+
+
+@torch._dynamo.disable
+def cpp_pre_hook(step: int, position: int, values: list) -> list:
+    """A C++ pre-kind hook (no Python dict to trace): a graph break through the engine API."""
+    return list(current_plan().call_hook(step, position, values))
+
+
+@torch._dynamo.disable
+def cpp_post_hook(step: int, position: int, outputs: tuple, inputs: list) -> tuple:
+    return current_plan().call_hook(step, position, outputs, inputs)
+
+
+# ---- Python hooks, as torch/csrc/autograd/python_hook.cpp calls them ----------------------
+
+
+def _hook_name(fn: object) -> str:
+    return getattr(fn, "__name__", "<unknown>")
+
+
+def _type_string(t: torch.Tensor) -> str:
+    # at::Tensor::toString(), e.g. "CPUFloatType".
+    return t.device.type.upper() + str(t.dtype).split(".")[-1].capitalize() + "Type"
+
+
+def _check_single_result(original: Any, result: Any, fn: object) -> None:
+    """check_single_result / check_variable_result of python_hook.cpp."""
+    if result is None:
+        return
+    if original is None:
+        raise RuntimeError("can't replace a None gradient with a non-None value")
+    if not isinstance(result, torch.Tensor):
+        raise TypeError(f"expected Variable, but hook returned '{type(result).__name__}'")
+    name = _hook_name(fn)
+    if result.dtype != original.dtype or result.layout != original.layout:
+        raise RuntimeError(
+            f"hook '{name}' has changed the type of value (was {_type_string(original)} "
+            f"got {_type_string(result)})"
+        )
+    if result.device.type != original.device.type:
+        raise RuntimeError(
+            f"hook '{name}' has changed the type of value (was "
+            f"{original.device.type.upper()} tensor got {result.device.type.upper()} tensor)"
+        )
+    if result.shape != original.shape:
+        raise RuntimeError(f"hook '{name}' has changed the size of value")
+
+
+def _check_result(original: tuple, result: Any, fn: object) -> None:
+    if not isinstance(result, tuple):
+        raise TypeError(f"expected tuple, but hook returned '{type(result).__name__}'")
+    if len(result) != len(original):
+        raise RuntimeError(
+            f"hook '{_hook_name(fn)}' has returned an incorrect number of values "
+            f"(got {len(result)}, but expected {len(original)})"
+        )
+    for o, r in zip(original, result):
+        _check_single_result(o, r, fn)
+
+
+def tensor_pre_hook(fns: Sequence[Callable], value: Any) -> Any:
+    """PyFunctionTensorPreHook: each hook sees the gradient of one input and may replace it."""
+    for fn in fns:
+        result = fn(value)
+        if result is None or result is value:
+            continue
+        _check_single_result(value, result, fn)
+        value = result
+    return value
+
+
+def pre_hook(fns: Sequence[Callable], inputs: list) -> list:
+    """PyFunctionPreHook (grad_fn.register_prehook): hooks see and may replace all inputs."""
+    values = tuple(inputs)
+    for fn in fns:
+        result = fn(values)
+        if result is None or result is values:
+            continue
+        _check_result(values, result, fn)
+        values = result
+    return list(values)
+
+
+def post_hook(fns: Sequence[Callable], outputs: tuple, inputs: list) -> tuple:
+    """PyFunctionPostHook (grad_fn.register_hook): hook(grad_inputs, grad_outputs)."""
+    values = tuple(outputs)
+    grad_outputs = tuple(inputs)
+    for fn in fns:
+        result = fn(values, grad_outputs)
+        if result is None or result is values:
+            continue
+        _check_result(values, result, fn)
+        values = result
+    return values
+
+
+# ---- input buffers -----------------------------------------------------------------------
+
+
+def buffer_sum(*grads: Any) -> Any:
+    """InputBuffer::add over gradients in arrival order (undefined ones are skipped)."""
+    total = None
+    for g in grads:
+        if g is None:
+            continue
+        if total is None:
+            total = g
+        elif total.is_sparse and not g.is_sparse:
+            # accumulate(): a dense gradient absorbs a sparse one, not the other way round.
+            total = g + total
+        else:
+            total = total + g
+    return total
+
+
+# ---- code generation ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A replay function and the source it was generated from."""
+
+    fn: Callable[[tuple, list, list], list]
+    source: str
+
+
+_RUNTIME = {
+    "apply_traced": apply_traced,
+    "apply_opaque": apply_opaque,
+    "cpp_pre_hook": cpp_pre_hook,
+    "cpp_post_hook": cpp_post_hook,
+    "tensor_pre_hook": tensor_pre_hook,
+    "pre_hook": pre_hook,
+    "post_hook": post_hook,
+    "buffer_sum": buffer_sum,
+}
+
+
+def generate_source(plan: _core.Plan) -> str:
+    """Straight-line source for ``replay(grads, saved, hooks) -> deferred``."""
+    steps = plan.steps()
+    deferred = {(step, pos) for step, _kind, pos in plan.deferred()}
+    last_use = _last_uses(steps)
+
+    out = ["def replay(grads, saved, hooks):", "    deferred = []"]
+    python_hook = 0
+    for s, step in enumerate(steps):
+        name, _kind, mode, seq, _inputs, _outputs, a, b, slots, _targets, hooks = step
+        out.append(f"    # step {s}: {name} (sequence_nr {seq}, {mode})")
+        out.append(f"    i = [{', '.join(_slot_expr(srcs) for srcs in slots)}]")
+        # engine.cpp call_function: tensor pre-hooks and retains_grad hooks, pre-hooks,
+        # apply (with validate_outputs), post-hooks.
+        post = []
+        for pos, (hook_kind, index, python, value_idx) in enumerate(hooks):
+            if hook_kind == "post":
+                post.append((pos, python, python_hook if python else None))
+                python_hook += python
+            elif hook_kind == "retains_grad":
+                assert (s, pos) in deferred
+                out.append(f"    deferred.append(i[{index}])")
+            elif python and hook_kind == "tensor_pre":
+                v, h = value_idx, python_hook
+                out.append(f"    i[{v}] = tensor_pre_hook(hooks[{h}], i[{v}])")
+                python_hook += 1
+            elif python:
+                out.append(f"    i = pre_hook(hooks[{python_hook}], i)")
+                python_hook += 1
+            else:
+                out.append(f"    i = cpp_pre_hook({s}, {pos}, i)")
+        if mode == "traced":
+            out.append(f"    o{s} = apply_traced({s}, i, saved[{a}:{b}])")
+        elif mode == "opaque" or mode == "eager_accumulate":
+            out.append(f"    o{s} = apply_opaque({s}, i)")
+        elif mode == "deferred_accumulate":
+            assert (s, -1) in deferred
+            out.append("    deferred.append(i[0])")
+            out.append(f"    o{s} = ()")
+        else:
+            raise AssertionError(f"unknown step mode {mode!r}")
+        for pos, python, h in post:
+            if python:
+                out.append(f"    o{s} = post_hook(hooks[{h}], o{s}, i)")
+            else:
+                out.append(f"    o{s} = cpp_post_hook({s}, {pos}, o{s}, i)")
+        # Drop gradients once their last consumer ran, as the engine's buffers do.
+        dead = [f"o{p}" for p, last in last_use.items() if last == s]
+        if dead:
+            out.append(f"    del {', '.join(dead)}")
+    out.append("    return deferred")
+    return "\n".join(out) + "\n"
+
+
+def _slot_expr(sources: list[tuple[int, int]]) -> str:
+    terms = [f"grads[{i}]" if step < 0 else f"o{step}[{i}]" for step, i in sources]
+    if not terms:
+        return "None"
+    if len(terms) == 1:
+        return terms[0]
+    return f"buffer_sum({', '.join(terms)})"
+
+
+def _last_uses(steps: list) -> dict[int, int]:
+    """For each step's outputs, the last step that reads them."""
+    last: dict[int, int] = {}
+    for s, step in enumerate(steps):
+        last.setdefault(s, s)
+        for sources in step[8]:
+            for src, _ in sources:
+                if src >= 0:
+                    last[src] = max(last.get(src, s), s)
+    return last
+
+
+def build(plan: _core.Plan) -> Replay:
+    """Generates and executes the replay source of ``plan``."""
+    source = generate_source(plan)
+    namespace: dict[str, Any] = dict(_RUNTIME)
+    code = compile(source, f"<replaygrad replay {plan.key[:12]}>", "exec")
+    exec(code, namespace)
+    return Replay(fn=namespace["replay"], source=source)

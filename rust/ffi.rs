@@ -1,0 +1,676 @@
+//! The only place that calls the C++ shim (`cpp_shim/shim.h`). Raw declarations first, then
+//! safe wrappers: [`NodeRef`] (an owned strong reference to a `torch::autograd::Node`),
+//! [`Collector`] (the `compiled_args` visitor) and free functions that run nodes and hooks.
+//! Every shim status becomes a [`ShimError`].
+
+use std::ffi::{c_char, c_int, CStr};
+use std::ptr::{self, NonNull};
+
+use tch::Tensor;
+use torch_sys::C_tensor;
+
+use crate::errors::{ErrorKind, ShimError};
+
+/// `torch::autograd::Node`, never dereferenced on this side.
+#[repr(C)]
+pub struct RawNode {
+    _private: [u8; 0],
+}
+/// `torch::autograd::SavedVariable`.
+#[repr(C)]
+pub struct RawSavedVariable {
+    _private: [u8; 0],
+}
+#[repr(C)]
+struct RawCollector {
+    _private: [u8; 0],
+}
+/// `PyObject`, for the few calls that hand Python objects across.
+pub type PyObjectPtr = *mut pyo3::ffi::PyObject;
+
+const RG_OK: c_int = 0;
+const RG_ERROR: c_int = 1;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RawNodeInfo {
+    sequence_nr: u64,
+    type_name: *const c_char,
+    kind: u32,
+    num_inputs: u32,
+    num_outputs: u32,
+    num_tensor_pre_hooks: u32,
+    num_retains_grad_hooks: u32,
+    num_pre_hooks: u32,
+    num_post_hooks: u32,
+    has_post_acc_grad_hooks: u32,
+}
+
+impl Default for RawNodeInfo {
+    fn default() -> Self {
+        RawNodeInfo {
+            sequence_nr: 0,
+            type_name: ptr::null(),
+            kind: 0,
+            num_inputs: 0,
+            num_outputs: 0,
+            num_tensor_pre_hooks: 0,
+            num_retains_grad_hooks: 0,
+            num_pre_hooks: 0,
+            num_post_hooks: 0,
+            has_post_acc_grad_hooks: 0,
+        }
+    }
+}
+
+extern "C" {
+    fn rg_last_error_message() -> *const c_char;
+    fn rg_last_error_kind() -> c_int;
+
+    fn rg_node_incref(node: *mut RawNode);
+    fn rg_node_decref(node: *mut RawNode);
+    fn rg_tensor_gradient_edge(t: *const C_tensor, node: *mut *mut RawNode, input_nr: *mut u32) -> c_int;
+    fn rg_node_from_pyobject(obj: PyObjectPtr, node: *mut *mut RawNode) -> c_int;
+    fn rg_node_to_pyobject(node: *mut RawNode, out: *mut PyObjectPtr) -> c_int;
+    fn rg_node_get_info(node: *mut RawNode, info: *mut RawNodeInfo) -> c_int;
+    fn rg_node_next_edges(
+        node: *mut RawNode,
+        nodes: *mut *mut RawNode,
+        input_nrs: *mut u32,
+        n: usize,
+    ) -> c_int;
+    fn rg_node_name(node: *mut RawNode, buf: *mut c_char, cap: usize, len: *mut usize) -> c_int;
+    fn rg_node_is_traceable(node: *mut RawNode, out: *mut c_int) -> c_int;
+    fn rg_node_input_metadata(
+        node: *mut RawNode,
+        i: u32,
+        dtype: *mut i32,
+        device_type: *mut i32,
+        device_index: *mut i32,
+        shape: *mut i64,
+        cap: usize,
+        ndim: *mut usize,
+    ) -> c_int;
+
+    fn rg_node_hook_dict(
+        node: *mut RawNode,
+        kind: c_int,
+        i: usize,
+        is_python: *mut c_int,
+        dict: *mut PyObjectPtr,
+        value_idx: *mut i64,
+    ) -> c_int;
+    fn rg_node_retains_grad_outputs(node: *mut RawNode, outputs: *mut u32, n: usize) -> c_int;
+    fn rg_node_call_pre_hook(
+        node: *mut RawNode,
+        kind: c_int,
+        i: usize,
+        values: *const *const C_tensor,
+        n: usize,
+        out: *mut *mut C_tensor,
+    ) -> c_int;
+    fn rg_node_call_post_hook(
+        node: *mut RawNode,
+        i: usize,
+        outputs: *const *const C_tensor,
+        n_outputs: usize,
+        inputs: *const *const C_tensor,
+        n_inputs: usize,
+        out: *mut *mut C_tensor,
+    ) -> c_int;
+
+    fn rg_collector_new(out: *mut *mut RawCollector) -> c_int;
+    fn rg_collector_free(c: *mut RawCollector);
+    fn rg_collector_visit(
+        c: *mut RawCollector,
+        node: *mut RawNode,
+        supported: *mut c_int,
+        n_saved: *mut usize,
+        key: *mut *const u8,
+        key_len: *mut usize,
+        sizes: *mut *const i64,
+        n_sizes: *mut usize,
+    ) -> c_int;
+    fn rg_collector_len(c: *const RawCollector) -> usize;
+    fn rg_collector_slot(
+        c: *const RawCollector,
+        i: usize,
+        sv: *mut *const RawSavedVariable,
+        value: *mut *mut C_tensor,
+    ) -> c_int;
+
+    fn rg_node_apply(
+        node: *mut RawNode,
+        inputs: *const *const C_tensor,
+        n_inputs: usize,
+        svs: *const *const RawSavedVariable,
+        saved: *const *const C_tensor,
+        n_saved: usize,
+        out: *mut *mut C_tensor,
+        cap: usize,
+        n_out: *mut usize,
+    ) -> c_int;
+    fn rg_validate_root_grads(
+        nodes: *const *mut RawNode,
+        input_nrs: *const u32,
+        n: usize,
+        grads: *const *const C_tensor,
+        out: *mut *mut C_tensor,
+    ) -> c_int;
+    fn rg_node_release_variables(node: *mut RawNode) -> c_int;
+}
+
+/// Turns a shim status into a Result, fetching the thread's error on failure.
+fn check(status: c_int) -> Result<(), ShimError> {
+    match status {
+        RG_OK => Ok(()),
+        RG_ERROR => {
+            // SAFETY: the shim keeps a valid NUL-terminated thread-local message.
+            let message = unsafe { CStr::from_ptr(rg_last_error_message()) }
+                .to_string_lossy()
+                .into_owned();
+            let kind = ErrorKind::from_code(unsafe { rg_last_error_kind() });
+            Err(ShimError::Torch { kind, message })
+        }
+        _ => Err(ShimError::Python),
+    }
+}
+
+/// What kind of node the engine is running; decides how the replay treats it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum NodeKind {
+    /// Generated backward nodes and other C++ nodes.
+    Generic,
+    AccumulateGrad,
+    /// `PyNode`: a Python `torch.autograd.Function`.
+    PythonFunction,
+    /// `CppNode<T>`: a C++ `torch::autograd::Function`.
+    CppFunction,
+}
+
+impl NodeKind {
+    fn from_code(code: u32) -> Self {
+        match code {
+            1 => NodeKind::AccumulateGrad,
+            2 => NodeKind::PythonFunction,
+            3 => NodeKind::CppFunction,
+            _ => NodeKind::Generic,
+        }
+    }
+}
+
+/// The per-node facts one shim call returns.
+#[derive(Clone, Copy, Debug)]
+pub struct NodeInfo {
+    pub sequence_nr: u64,
+    /// `typeid(*node).name()`: static storage inside libtorch, stable for the process.
+    pub type_name: &'static CStr,
+    pub kind: NodeKind,
+    pub num_inputs: u32,
+    pub num_outputs: u32,
+    pub num_tensor_pre_hooks: u32,
+    pub num_retains_grad_hooks: u32,
+    pub num_pre_hooks: u32,
+    pub num_post_hooks: u32,
+    pub has_post_acc_grad_hooks: bool,
+}
+
+/// The hook lists of a node the engine calls, in the shim's numbering.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum HookKind {
+    TensorPre = 0,
+    Pre = 1,
+    Post = 2,
+    RetainsGrad = 3,
+}
+
+/// The metadata the engine checks a gradient against (`InputMetadata`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct InputMetadata {
+    pub dtype: i32,
+    pub device_type: i32,
+    pub device_index: i32,
+    pub shape: Vec<i64>,
+}
+
+/// An owned strong reference to a `torch::autograd::Node` (an `intrusive_ptr` count).
+///
+/// Dropping it can drop the node's Python wrapper, so Python-facing code drops these with
+/// the GIL held.
+pub struct NodeRef(NonNull<RawNode>);
+
+// SAFETY: Node refcounts are atomic; the Python side effects of the last decref are covered
+// by holding the GIL where Python objects exist (see the type's docs).
+unsafe impl Send for NodeRef {}
+
+impl NodeRef {
+    /// Takes over a reference the shim handed out ("new reference").
+    fn from_new(ptr: *mut RawNode) -> Option<Self> {
+        NonNull::new(ptr).map(NodeRef)
+    }
+
+    /// Takes a new strong reference to a borrowed node pointer.
+    ///
+    /// # Safety
+    /// `ptr` must point to a live node.
+    pub unsafe fn from_borrowed(ptr: NonNull<RawNode>) -> Self {
+        rg_node_incref(ptr.as_ptr());
+        NodeRef(ptr)
+    }
+
+    pub fn as_ptr(&self) -> *mut RawNode {
+        self.0.as_ptr()
+    }
+
+    /// The gradient edge of a tensor, as `torch::autograd::impl::gradient_edge` gives it;
+    /// `None` when the tensor does not require grad.
+    pub fn gradient_edge(tensor: &Tensor) -> Result<Option<(NodeRef, u32)>, ShimError> {
+        let mut node = ptr::null_mut();
+        let mut input_nr = 0;
+        // SAFETY: `tensor` is a live at::Tensor handle.
+        check(unsafe { rg_tensor_gradient_edge(tensor.as_ptr(), &mut node, &mut input_nr) })?;
+        Ok(NodeRef::from_new(node).map(|n| (n, input_nr)))
+    }
+
+    /// The node behind a Python grad_fn object, if it is one.
+    ///
+    /// # Safety
+    /// `obj` must be a live Python object and the GIL must be held.
+    pub unsafe fn from_pyobject(obj: PyObjectPtr) -> Result<Option<NodeRef>, ShimError> {
+        let mut node = ptr::null_mut();
+        check(rg_node_from_pyobject(obj, &mut node))?;
+        Ok(NodeRef::from_new(node))
+    }
+
+    /// The node's Python object (a new reference). Needs the GIL.
+    pub fn to_pyobject(&self) -> Result<PyObjectPtr, ShimError> {
+        let mut out = ptr::null_mut();
+        // SAFETY: the node is alive while self is.
+        check(unsafe { rg_node_to_pyobject(self.as_ptr(), &mut out) })?;
+        Ok(out)
+    }
+
+    pub fn info(&self) -> Result<NodeInfo, ShimError> {
+        let mut raw = RawNodeInfo::default();
+        // SAFETY: the node is alive while self is.
+        check(unsafe { rg_node_get_info(self.as_ptr(), &mut raw) })?;
+        // SAFETY: typeid names are NUL-terminated strings in the library's static data.
+        let type_name = unsafe { CStr::from_ptr(raw.type_name) };
+        Ok(NodeInfo {
+            sequence_nr: raw.sequence_nr,
+            type_name,
+            kind: NodeKind::from_code(raw.kind),
+            num_inputs: raw.num_inputs,
+            num_outputs: raw.num_outputs,
+            num_tensor_pre_hooks: raw.num_tensor_pre_hooks,
+            num_retains_grad_hooks: raw.num_retains_grad_hooks,
+            num_pre_hooks: raw.num_pre_hooks,
+            num_post_hooks: raw.num_post_hooks,
+            has_post_acc_grad_hooks: raw.has_post_acc_grad_hooks != 0,
+        })
+    }
+
+    /// `next_edges()`: borrowed node pointers (None for invalid edges) and input_nrs,
+    /// appended to the given vectors.
+    pub fn next_edges(
+        &self,
+        count: u32,
+        nodes: &mut Vec<Option<NonNull<RawNode>>>,
+        input_nrs: &mut Vec<u32>,
+    ) -> Result<(), ShimError> {
+        let n = count as usize;
+        let start = nodes.len();
+        let mut raw_nodes: Vec<*mut RawNode> = vec![ptr::null_mut(); n];
+        input_nrs.resize(start + n, 0);
+        // SAFETY: both buffers hold n entries.
+        check(unsafe {
+            rg_node_next_edges(
+                self.as_ptr(),
+                raw_nodes.as_mut_ptr(),
+                input_nrs[start..].as_mut_ptr(),
+                n,
+            )
+        })?;
+        nodes.extend(raw_nodes.into_iter().map(NonNull::new));
+        Ok(())
+    }
+
+    pub fn name(&self) -> Result<String, ShimError> {
+        let mut buf = vec![0 as c_char; 128];
+        let mut len = 0usize;
+        // SAFETY: buf holds `cap` bytes.
+        check(unsafe { rg_node_name(self.as_ptr(), buf.as_mut_ptr(), buf.len(), &mut len) })?;
+        if len >= buf.len() {
+            buf = vec![0 as c_char; len + 1];
+            // SAFETY: as above, with a buffer that fits.
+            check(unsafe { rg_node_name(self.as_ptr(), buf.as_mut_ptr(), buf.len(), &mut len) })?;
+        }
+        let bytes: Vec<u8> = buf[..len].iter().map(|&c| c as u8).collect();
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    pub fn is_traceable(&self) -> Result<bool, ShimError> {
+        let mut out = 0;
+        // SAFETY: the node is alive while self is.
+        check(unsafe { rg_node_is_traceable(self.as_ptr(), &mut out) })?;
+        Ok(out != 0)
+    }
+
+    pub fn input_metadata(&self, i: u32) -> Result<InputMetadata, ShimError> {
+        let mut meta = InputMetadata {
+            dtype: 0,
+            device_type: 0,
+            device_index: 0,
+            shape: vec![0; 8],
+        };
+        let mut ndim = 0usize;
+        loop {
+            let cap = meta.shape.len();
+            // SAFETY: shape holds `cap` entries.
+            check(unsafe {
+                rg_node_input_metadata(
+                    self.as_ptr(),
+                    i,
+                    &mut meta.dtype,
+                    &mut meta.device_type,
+                    &mut meta.device_index,
+                    meta.shape.as_mut_ptr(),
+                    cap,
+                    &mut ndim,
+                )
+            })?;
+            if ndim <= cap {
+                meta.shape.truncate(ndim);
+                return Ok(meta);
+            }
+            meta.shape = vec![0; ndim];
+        }
+    }
+
+    /// Whether hook `i` of `kind` is a Python hook and, for tensor pre-hooks, the input it
+    /// watches. Touches no Python object.
+    pub fn hook_kind(&self, kind: HookKind, i: usize) -> Result<(bool, Option<u32>), ShimError> {
+        let mut is_python = 0;
+        let mut value_idx = -1i64;
+        // SAFETY: the node is alive while self is; a null dict pointer asks for no object.
+        check(unsafe {
+            rg_node_hook_dict(
+                self.as_ptr(),
+                kind as c_int,
+                i,
+                &mut is_python,
+                ptr::null_mut(),
+                &mut value_idx,
+            )
+        })?;
+        Ok((is_python != 0, u32::try_from(value_idx).ok()))
+    }
+
+    /// The dict of callables behind Python hook `i` of `kind` (a new reference), None for
+    /// a C++ hook. Needs the GIL.
+    pub fn hook_dict(&self, kind: HookKind, i: usize) -> Result<Option<PyObjectPtr>, ShimError> {
+        let mut dict = ptr::null_mut();
+        let mut value_idx = -1i64;
+        let mut is_python = 0;
+        // SAFETY: the node is alive while self is.
+        check(unsafe {
+            rg_node_hook_dict(
+                self.as_ptr(),
+                kind as c_int,
+                i,
+                &mut is_python,
+                &mut dict,
+                &mut value_idx,
+            )
+        })?;
+        Ok((!dict.is_null()).then_some(dict))
+    }
+
+    pub fn retains_grad_outputs(&self, count: u32) -> Result<Vec<u32>, ShimError> {
+        let mut out = vec![0u32; count as usize];
+        // SAFETY: out holds `count` entries.
+        check(unsafe { rg_node_retains_grad_outputs(self.as_ptr(), out.as_mut_ptr(), out.len()) })?;
+        Ok(out)
+    }
+
+    pub fn release_variables(&self) -> Result<(), ShimError> {
+        // SAFETY: the node is alive while self is.
+        check(unsafe { rg_node_release_variables(self.as_ptr()) })
+    }
+}
+
+impl Clone for NodeRef {
+    fn clone(&self) -> Self {
+        // SAFETY: self keeps the node alive.
+        unsafe { NodeRef::from_borrowed(self.0) }
+    }
+}
+
+impl Drop for NodeRef {
+    fn drop(&mut self) {
+        // SAFETY: we own one reference.
+        unsafe { rg_node_decref(self.as_ptr()) }
+    }
+}
+
+fn tensor_ptrs(values: &[Option<Tensor>]) -> Vec<*const C_tensor> {
+    values
+        .iter()
+        .map(|v| v.as_ref().map_or(ptr::null(), |t| t.as_ptr()))
+        .collect()
+}
+
+fn take_tensors(raw: Vec<*mut C_tensor>) -> Vec<Option<Tensor>> {
+    raw.into_iter()
+        .map(|p| {
+            // SAFETY: the shim hands out owned `new at::Tensor` handles (or null).
+            (!p.is_null()).then(|| unsafe { Tensor::from_ptr(p) })
+        })
+        .collect()
+}
+
+/// Runs `node(inputs)` like the engine's call_function (grad mode off, validate_outputs),
+/// with `saved[i]` swapped into `svs[i]` for the call. Returns one entry per next edge.
+pub fn apply_node(
+    node: &NodeRef,
+    num_outputs: u32,
+    inputs: &[Option<Tensor>],
+    svs: &[*const RawSavedVariable],
+    saved: &[Option<Tensor>],
+) -> Result<Vec<Option<Tensor>>, ShimError> {
+    debug_assert_eq!(svs.len(), saved.len());
+    let input_ptrs = tensor_ptrs(inputs);
+    let saved_ptrs = tensor_ptrs(saved);
+    let cap = num_outputs as usize;
+    let mut out: Vec<*mut C_tensor> = vec![ptr::null_mut(); cap];
+    let mut n_out = 0usize;
+    // SAFETY: pointer arrays are valid for their lengths; svs point into the live node.
+    let status = unsafe {
+        rg_node_apply(
+            node.as_ptr(),
+            input_ptrs.as_ptr(),
+            input_ptrs.len(),
+            svs.as_ptr(),
+            saved_ptrs.as_ptr(),
+            saved_ptrs.len(),
+            out.as_mut_ptr(),
+            cap,
+            &mut n_out,
+        )
+    };
+    out.truncate(n_out);
+    let outputs = take_tensors(out);
+    check(status)?;
+    Ok(outputs)
+}
+
+/// Runs one of the node's pre-kind hooks (tensor pre-hook, pre-hook, retains_grad) on
+/// `values`, as the engine does.
+pub fn call_pre_hook(
+    node: &NodeRef,
+    kind: HookKind,
+    i: usize,
+    values: &[Option<Tensor>],
+) -> Result<Vec<Option<Tensor>>, ShimError> {
+    let ptrs = tensor_ptrs(values);
+    let mut out: Vec<*mut C_tensor> = vec![ptr::null_mut(); ptrs.len()];
+    // SAFETY: both arrays hold values.len() entries.
+    let status = unsafe {
+        rg_node_call_pre_hook(
+            node.as_ptr(),
+            kind as c_int,
+            i,
+            ptrs.as_ptr(),
+            ptrs.len(),
+            out.as_mut_ptr(),
+        )
+    };
+    let result = take_tensors(out);
+    check(status)?;
+    Ok(result)
+}
+
+/// Runs `post_hooks()[i](outputs, inputs)`.
+pub fn call_post_hook(
+    node: &NodeRef,
+    i: usize,
+    outputs: &[Option<Tensor>],
+    inputs: &[Option<Tensor>],
+) -> Result<Vec<Option<Tensor>>, ShimError> {
+    let out_ptrs = tensor_ptrs(outputs);
+    let in_ptrs = tensor_ptrs(inputs);
+    let mut out: Vec<*mut C_tensor> = vec![ptr::null_mut(); out_ptrs.len()];
+    // SAFETY: arrays are valid for their lengths.
+    let status = unsafe {
+        rg_node_call_post_hook(
+            node.as_ptr(),
+            i,
+            out_ptrs.as_ptr(),
+            out_ptrs.len(),
+            in_ptrs.as_ptr(),
+            in_ptrs.len(),
+            out.as_mut_ptr(),
+        )
+    };
+    let result = take_tensors(out);
+    check(status)?;
+    Ok(result)
+}
+
+/// `validate_outputs` over the root edges, as `Engine::execute` does first.
+pub fn validate_root_grads(
+    roots: &[(Option<&NodeRef>, u32)],
+    grads: &[Option<Tensor>],
+) -> Result<Vec<Option<Tensor>>, ShimError> {
+    let nodes: Vec<*mut RawNode> = roots
+        .iter()
+        .map(|(n, _)| n.map_or(ptr::null_mut(), |n| n.as_ptr()))
+        .collect();
+    let input_nrs: Vec<u32> = roots.iter().map(|(_, nr)| *nr).collect();
+    let ptrs = tensor_ptrs(grads);
+    let mut out: Vec<*mut C_tensor> = vec![ptr::null_mut(); ptrs.len()];
+    // SAFETY: all arrays hold roots.len() entries.
+    let status = unsafe {
+        rg_validate_root_grads(
+            nodes.as_ptr(),
+            input_nrs.as_ptr(),
+            nodes.len(),
+            ptrs.as_ptr(),
+            out.as_mut_ptr(),
+        )
+    };
+    let result = take_tensors(out);
+    check(status)?;
+    Ok(result)
+}
+
+/// What `compiled_args` tells about one node.
+pub struct VisitedNode<'a> {
+    /// False when the node does not implement `compiled_args`: its saved state is unknown.
+    pub supported: bool,
+    pub num_saved: usize,
+    /// The node's specialisation bytes (non-tensor state, tensor metadata).
+    pub key: &'a [u8],
+    /// Its size inputs (sizes the node keeps, e.g. `self_sym_sizes`).
+    pub sizes: &'a [i64],
+}
+
+/// The `compiled_args` visitor over a graph's nodes; accumulates their saved values.
+pub struct Collector(NonNull<RawCollector>);
+
+impl Collector {
+    pub fn new() -> Result<Self, ShimError> {
+        let mut raw = ptr::null_mut();
+        // SAFETY: out-pointer to a local.
+        check(unsafe { rg_collector_new(&mut raw) })?;
+        NonNull::new(raw).map(Collector).ok_or_else(|| ShimError::Torch {
+            kind: ErrorKind::Runtime,
+            message: "rg_collector_new returned null".into(),
+        })
+    }
+
+    /// Visits one node; Python Functions call into Python, so hold the GIL where they exist.
+    pub fn visit(&mut self, node: &NodeRef) -> Result<VisitedNode<'_>, ShimError> {
+        let mut supported = 0;
+        let mut num_saved = 0usize;
+        let mut key = ptr::null();
+        let mut key_len = 0usize;
+        let mut sizes = ptr::null();
+        let mut n_sizes = 0usize;
+        // SAFETY: out-pointers to locals; the collector and node are alive.
+        check(unsafe {
+            rg_collector_visit(
+                self.0.as_ptr(),
+                node.as_ptr(),
+                &mut supported,
+                &mut num_saved,
+                &mut key,
+                &mut key_len,
+                &mut sizes,
+                &mut n_sizes,
+            )
+        })?;
+        // SAFETY: the buffers live in the collector until the next visit (borrow of self).
+        let key = if key_len == 0 {
+            &[][..]
+        } else {
+            unsafe { std::slice::from_raw_parts(key, key_len) }
+        };
+        let sizes = if n_sizes == 0 {
+            &[][..]
+        } else {
+            unsafe { std::slice::from_raw_parts(sizes, n_sizes) }
+        };
+        Ok(VisitedNode {
+            supported: supported != 0,
+            num_saved,
+            key,
+            sizes,
+        })
+    }
+
+    /// All slots visited so far: each SavedVariable's address and its unpacked value.
+    pub fn into_slots(self) -> Result<(Vec<*const RawSavedVariable>, Vec<Option<Tensor>>), ShimError> {
+        // SAFETY: the collector is alive.
+        let n = unsafe { rg_collector_len(self.0.as_ptr()) };
+        let mut svs = Vec::with_capacity(n);
+        let mut values = Vec::with_capacity(n);
+        for i in 0..n {
+            let mut sv = ptr::null();
+            let mut value = ptr::null_mut();
+            // SAFETY: i < len.
+            check(unsafe { rg_collector_slot(self.0.as_ptr(), i, &mut sv, &mut value) })?;
+            svs.push(sv);
+            // SAFETY: an owned handle or null.
+            values.push((!value.is_null()).then(|| unsafe { Tensor::from_ptr(value) }));
+        }
+        Ok((svs, values))
+    }
+}
+
+impl Drop for Collector {
+    fn drop(&mut self) {
+        // SAFETY: we own the collector.
+        unsafe { rg_collector_free(self.0.as_ptr()) }
+    }
+}

@@ -1,0 +1,282 @@
+//! A snapshot of the reachable autograd graph as plain data: nodes, next edges in CSR form,
+//! root edges. [`Graph`] knows nothing of torch, so the planning code over it is testable
+//! without an interpreter; [`snapshot`] builds one from live nodes through the shim.
+
+use std::collections::HashMap;
+use std::ffi::CStr;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::ptr::NonNull;
+
+use crate::errors::ShimError;
+use crate::ffi::{NodeKind, NodeRef, RawNode};
+
+/// Marks an invalid edge (the engine's `!edge.is_valid()`: an input that needs no grad).
+pub const NO_NODE: u32 = u32::MAX;
+
+/// `Edge{function, input_nr}` with the function as a node index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Edge {
+    pub node: u32,
+    pub input_nr: u32,
+}
+
+impl Edge {
+    pub const INVALID: Edge = Edge {
+        node: NO_NODE,
+        input_nr: 0,
+    };
+
+    pub fn new(node: u32, input_nr: u32) -> Self {
+        Edge { node, input_nr }
+    }
+
+    pub fn is_valid(&self) -> bool {
+        self.node != NO_NODE
+    }
+}
+
+/// How many hooks of each kind the engine will call on a node.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct HookCounts {
+    pub tensor_pre: u32,
+    pub retains_grad: u32,
+    pub pre: u32,
+    pub post: u32,
+    pub post_acc_grad: bool,
+}
+
+impl HookCounts {
+    pub fn any(&self) -> bool {
+        self.tensor_pre + self.retains_grad + self.pre + self.post > 0 || self.post_acc_grad
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeData {
+    pub sequence_nr: u64,
+    pub kind: NodeKind,
+    /// Index into [`Graph::type_names`].
+    pub type_index: u32,
+    pub num_inputs: u32,
+    pub hooks: HookCounts,
+}
+
+/// The reachable graph. Node 0.. are numbered in discovery order from the roots.
+#[derive(Clone, Debug, Default)]
+pub struct Graph {
+    pub nodes: Vec<NodeData>,
+    /// `edges[edge_start[n]..edge_start[n + 1]]` are node n's next edges.
+    pub edge_start: Vec<u32>,
+    pub edges: Vec<Edge>,
+    /// The root edges, in the order the caller gave the roots.
+    pub roots: Vec<Edge>,
+    /// Display names of node types (`name()`), shared by nodes of the same type.
+    pub type_names: Vec<String>,
+}
+
+impl Graph {
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    pub fn next_edges(&self, node: u32) -> &[Edge] {
+        let n = node as usize;
+        &self.edges[self.edge_start[n] as usize..self.edge_start[n + 1] as usize]
+    }
+
+    pub fn name(&self, node: u32) -> &str {
+        &self.type_names[self.nodes[node as usize].type_index as usize]
+    }
+
+    /// Builds a graph from per-node edge lists (for tests and tools).
+    pub fn from_adjacency(
+        nodes: Vec<NodeData>,
+        adjacency: Vec<Vec<Edge>>,
+        roots: Vec<Edge>,
+        type_names: Vec<String>,
+    ) -> Self {
+        assert_eq!(nodes.len(), adjacency.len(), "one edge list per node");
+        let mut edge_start = Vec::with_capacity(nodes.len() + 1);
+        let mut edges = Vec::new();
+        edge_start.push(0);
+        for list in adjacency {
+            edges.extend(list);
+            edge_start.push(edges.len() as u32);
+        }
+        Graph {
+            nodes,
+            edge_start,
+            edges,
+            roots,
+            type_names,
+        }
+    }
+}
+
+/// A hasher for pointer keys: the walk does one lookup per edge, and SipHash would dominate.
+#[derive(Default)]
+pub(crate) struct PtrHasher(u64);
+
+impl Hasher for PtrHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    fn write_usize(&mut self, n: usize) {
+        // Fibonacci hashing; node addresses are 16-byte aligned, so rotate the low bits out.
+        self.0 = (n as u64).rotate_right(4).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+pub(crate) type PtrMap<V> = HashMap<usize, V, BuildHasherDefault<PtrHasher>>;
+
+/// A graph together with the live nodes it was taken from (`handles[i]` is node i).
+pub struct Snapshot {
+    pub graph: Graph,
+    pub handles: Vec<NodeRef>,
+}
+
+/// Walks the graph reachable from the root edges, breadth first (the engine's
+/// compute_dependencies visits the same set), holding a strong reference to every node.
+pub fn snapshot(roots: &[(NodeRef, u32)]) -> Result<Snapshot, ShimError> {
+    let mut graph = Graph::default();
+    let mut handles: Vec<NodeRef> = Vec::new();
+    let mut index: PtrMap<u32> = PtrMap::default();
+    // Type display names: one name() call per C++ type. Python Functions all share the
+    // PyNode type, so they are told apart by name() (the Function's class name).
+    let mut types_by_typeid: PtrMap<u32> = PtrMap::default();
+    let mut types_by_name: HashMap<String, u32> = HashMap::new();
+
+    let mut discover = |node: NonNull<RawNode>, handles: &mut Vec<NodeRef>| -> u32 {
+        let key = node.as_ptr() as usize;
+        if let Some(&i) = index.get(&key) {
+            return i;
+        }
+        let i = handles.len() as u32;
+        index.insert(key, i);
+        // SAFETY: the node is reachable from a node we hold, so it is alive.
+        handles.push(unsafe { NodeRef::from_borrowed(node) });
+        i
+    };
+
+    for (node, input_nr) in roots {
+        // SAFETY: `node` is a live reference owned by the caller.
+        let ptr = unsafe { NonNull::new_unchecked(node.as_ptr()) };
+        let i = discover(ptr, &mut handles);
+        graph.roots.push(Edge::new(i, *input_nr));
+    }
+
+    let mut next_nodes: Vec<Option<NonNull<RawNode>>> = Vec::new();
+    let mut input_nrs: Vec<u32> = Vec::new();
+    graph.edge_start.push(0);
+    let mut n = 0usize;
+    while n < handles.len() {
+        let info = handles[n].info()?;
+        let type_index = if info.kind == NodeKind::PythonFunction {
+            let name = handles[n].name()?;
+            let next = graph.type_names.len() as u32;
+            *types_by_name.entry(name.clone()).or_insert_with(|| {
+                graph.type_names.push(name);
+                next
+            })
+        } else {
+            let key = info.type_name.as_ptr() as usize;
+            match types_by_typeid.get(&key) {
+                Some(&t) => t,
+                None => {
+                    let t = graph.type_names.len() as u32;
+                    graph.type_names.push(display_name(&handles[n], info.type_name)?);
+                    types_by_typeid.insert(key, t);
+                    t
+                }
+            }
+        };
+        graph.nodes.push(NodeData {
+            sequence_nr: info.sequence_nr,
+            kind: info.kind,
+            type_index,
+            num_inputs: info.num_inputs,
+            hooks: crate::graph::HookCounts {
+                tensor_pre: info.num_tensor_pre_hooks,
+                retains_grad: info.num_retains_grad_hooks,
+                pre: info.num_pre_hooks,
+                post: info.num_post_hooks,
+                post_acc_grad: info.has_post_acc_grad_hooks,
+            },
+        });
+
+        next_nodes.clear();
+        input_nrs.clear();
+        handles[n].next_edges(info.num_outputs, &mut next_nodes, &mut input_nrs)?;
+        for (next, &input_nr) in next_nodes.iter().zip(&input_nrs) {
+            let edge = match next {
+                Some(ptr) => Edge::new(discover(*ptr, &mut handles), input_nr),
+                None => Edge::INVALID,
+            };
+            graph.edges.push(edge);
+        }
+        graph.edge_start.push(graph.edges.len() as u32);
+        n += 1;
+    }
+    Ok(Snapshot { graph, handles })
+}
+
+fn display_name(node: &NodeRef, type_name: &CStr) -> Result<String, ShimError> {
+    let name = node.name()?;
+    if name.is_empty() {
+        return Ok(type_name.to_string_lossy().into_owned());
+    }
+    Ok(name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(seq: u64) -> NodeData {
+        NodeData {
+            sequence_nr: seq,
+            kind: NodeKind::Generic,
+            type_index: 0,
+            num_inputs: 1,
+            hooks: HookCounts::default(),
+        }
+    }
+
+    #[test]
+    fn csr_from_adjacency() {
+        let g = Graph::from_adjacency(
+            vec![data(2), data(1), data(0)],
+            vec![
+                vec![Edge::new(1, 0), Edge::INVALID],
+                vec![Edge::new(2, 0)],
+                vec![],
+            ],
+            vec![Edge::new(0, 0)],
+            vec!["X".into()],
+        );
+        assert_eq!(g.next_edges(0), &[Edge::new(1, 0), Edge::INVALID]);
+        assert_eq!(g.next_edges(1), &[Edge::new(2, 0)]);
+        assert!(g.next_edges(2).is_empty());
+        assert!(!g.next_edges(0)[1].is_valid());
+    }
+
+    #[test]
+    fn ptr_hasher_spreads_aligned_addresses() {
+        let mut seen = std::collections::HashSet::new();
+        for i in 0..1000usize {
+            let mut h = PtrHasher::default();
+            h.write_usize(0x7f00_0000_0000 + i * 16);
+            seen.insert(h.finish() >> 54);
+        }
+        assert!(seen.len() > 500, "top bits should vary: {}", seen.len());
+    }
+}

@@ -1,0 +1,232 @@
+//! What a replay needs besides the order: which steps run in the graph and which run as
+//! themselves (opaque), every SavedVariable of every traced step as one flat list of slots,
+//! the hooks each step calls, and the structural key of all of it.
+
+use std::ops::Range;
+
+use tch::Tensor;
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::errors::ShimError;
+use crate::ffi::{Collector, HookKind, NodeKind, NodeRef, RawSavedVariable};
+use crate::graph::{Graph, Snapshot};
+use crate::order::{Schedule, NO_STEP};
+
+/// One hook the engine calls for a step, in the engine's order (call_tensor_pre_hooks:
+/// tensor pre-hooks then retains_grad hooks; call_pre_hooks; call_post_hooks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HookRef {
+    pub kind: HookKind,
+    /// Position in the node's list; for RetainsGrad, the output it watches.
+    pub index: u32,
+    /// A Python hook (a dict of callables) that can be traced; otherwise a C++ hook.
+    pub python: bool,
+    /// For Python tensor pre-hooks: the input they see and replace.
+    pub value_idx: Option<u32>,
+}
+
+/// How a step runs in the replay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StepMode {
+    /// In the graph: the node is called with its saved values swapped for replay inputs.
+    Traced,
+    /// A graph break: the current graph's node runs as itself, eagerly.
+    Opaque,
+    /// AccumulateGrad whose gradient is handed back by the replay and accumulated right
+    /// after it, by the node itself (nothing can observe the difference).
+    DeferredAccumulate,
+    /// AccumulateGrad run in place, eagerly, because hooks observe `.grad` around it.
+    EagerAccumulate,
+}
+
+#[derive(Debug)]
+pub struct StepLayout {
+    pub mode: StepMode,
+    /// Slots of this step's saved values in [`Layout::svs`]/[`Layout::values`].
+    pub saved: Range<u32>,
+    /// This step's hooks in [`Layout::hooks`].
+    pub hooks: Range<u32>,
+}
+
+pub struct Layout {
+    pub steps: Vec<StepLayout>,
+    pub hooks: Vec<HookRef>,
+    /// Slot → the node's own SavedVariable (swapped during the call).
+    pub svs: Vec<*const RawSavedVariable>,
+    /// Slot → the value it held when planned (detached; None if undefined).
+    pub values: Vec<Option<Tensor>>,
+    pub key: u128,
+}
+
+impl Layout {
+    pub fn num_saved(&self) -> usize {
+        self.svs.len()
+    }
+}
+
+fn hooks_of(node: &NodeRef, graph: &Graph, n: u32, out: &mut Vec<HookRef>) -> Result<(), ShimError> {
+    let counts = graph.nodes[n as usize].hooks;
+    for i in 0..counts.tensor_pre {
+        let (python, value_idx) = node.hook_kind(HookKind::TensorPre, i as usize)?;
+        out.push(HookRef {
+            kind: HookKind::TensorPre,
+            index: i,
+            python,
+            value_idx,
+        });
+    }
+    if counts.retains_grad > 0 {
+        for output in node.retains_grad_outputs(counts.retains_grad)? {
+            out.push(HookRef {
+                kind: HookKind::RetainsGrad,
+                index: output,
+                python: false,
+                value_idx: None,
+            });
+        }
+    }
+    for i in 0..counts.pre {
+        let (python, _) = node.hook_kind(HookKind::Pre, i as usize)?;
+        out.push(HookRef {
+            kind: HookKind::Pre,
+            index: i,
+            python,
+            value_idx: None,
+        });
+    }
+    for i in 0..counts.post {
+        let (python, _) = node.hook_kind(HookKind::Post, i as usize)?;
+        out.push(HookRef {
+            kind: HookKind::Post,
+            index: i,
+            python,
+            value_idx: None,
+        });
+    }
+    Ok(())
+}
+
+/// Whether the node can run inside a traced graph, before looking at its saved state.
+fn may_trace(node: &NodeRef, kind: NodeKind) -> Result<bool, ShimError> {
+    match kind {
+        NodeKind::AccumulateGrad => Ok(false),
+        // CppNode<T> never reports T::is_traceable, so no C++ Function can be trusted.
+        NodeKind::CppFunction => Ok(false),
+        NodeKind::PythonFunction | NodeKind::Generic => node.is_traceable(),
+    }
+}
+
+/// Visits every step's node (in execution order) and lays out its saved values and hooks,
+/// hashing everything a compiled replay specialises on into the key.
+pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimError> {
+    let graph = &snapshot.graph;
+    let mut collector = Collector::new()?;
+    let mut steps = Vec::with_capacity(schedule.len());
+    let mut hooks = Vec::new();
+    let mut hasher = Xxh3::new();
+    hasher.update(b"replaygrad-plan-v1");
+    hash_u32(&mut hasher, graph.roots.len() as u32);
+    for root in &graph.roots {
+        hash_u32(&mut hasher, schedule.step_of[root.node as usize]);
+        hash_u32(&mut hasher, root.input_nr);
+    }
+
+    let mut num_saved = 0u32;
+    for &n in &schedule.steps {
+        let node = &snapshot.handles[n as usize];
+        let data = &graph.nodes[n as usize];
+        let hook_start = hooks.len() as u32;
+        if data.hooks.any() {
+            hooks_of(node, graph, n, &mut hooks)?;
+        }
+        let step_hooks = &hooks[hook_start as usize..];
+        let has_python_post = step_hooks.iter().any(|h| h.kind == HookKind::Post);
+        let has_cpp_hook = step_hooks.iter().any(|h| !h.python);
+
+        hasher.update(graph.name(n).as_bytes());
+        hasher.update(&[data.kind as u8, 0xff]);
+        hash_u32(&mut hasher, data.num_inputs);
+        let edges = graph.next_edges(n);
+        hash_u32(&mut hasher, edges.len() as u32);
+        for e in edges {
+            let target = if e.is_valid() {
+                schedule.step_of[e.node as usize]
+            } else {
+                NO_STEP
+            };
+            hash_u32(&mut hasher, target);
+            hash_u32(&mut hasher, e.input_nr);
+        }
+        for i in 0..data.num_inputs {
+            let meta = node.input_metadata(i)?;
+            for v in [
+                meta.dtype,
+                meta.device_type,
+                meta.device_index,
+                meta.shape.len() as i32,
+            ] {
+                hasher.update(&v.to_le_bytes());
+            }
+            for d in &meta.shape {
+                hasher.update(&d.to_le_bytes());
+            }
+        }
+        for h in step_hooks {
+            hasher.update(&[h.kind as u8, h.python as u8]);
+            hash_u32(&mut hasher, h.index);
+            hash_u32(&mut hasher, h.value_idx.unwrap_or(u32::MAX));
+        }
+
+        let mut mode = if data.kind == NodeKind::AccumulateGrad {
+            // Post hooks and post-accumulate-grad hooks read `.grad` right after this
+            // node; a C++ hook may do anything. Then accumulate in place, as the engine.
+            if has_python_post || has_cpp_hook || data.hooks.post_acc_grad {
+                StepMode::EagerAccumulate
+            } else {
+                StepMode::DeferredAccumulate
+            }
+        } else if may_trace(node, data.kind)? {
+            StepMode::Traced
+        } else {
+            StepMode::Opaque
+        };
+
+        let saved_start = num_saved;
+        if mode == StepMode::Traced {
+            let visited = collector.visit(node)?;
+            if visited.supported {
+                num_saved += visited.num_saved as u32;
+                hash_u32(&mut hasher, visited.num_saved as u32);
+                hash_u32(&mut hasher, visited.key.len() as u32);
+                hasher.update(visited.key);
+                hash_u32(&mut hasher, visited.sizes.len() as u32);
+                for s in visited.sizes {
+                    hasher.update(&s.to_le_bytes());
+                }
+            } else {
+                // compiled_args not implemented (e.g. a third-party Node subclass): its
+                // saved state is unknown, so it can only run as itself.
+                mode = StepMode::Opaque;
+            }
+        }
+        hasher.update(&[mode as u8]);
+        steps.push(StepLayout {
+            mode,
+            saved: saved_start..num_saved,
+            hooks: hook_start..hooks.len() as u32,
+        });
+    }
+    let (svs, values) = collector.into_slots()?;
+    debug_assert_eq!(svs.len(), num_saved as usize);
+    Ok(Layout {
+        steps,
+        hooks,
+        svs,
+        values,
+        key: hasher.digest128(),
+    })
+}
+
+fn hash_u32(h: &mut Xxh3, v: u32) {
+    h.update(&v.to_le_bytes());
+}

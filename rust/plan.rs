@@ -1,0 +1,184 @@
+//! A plan: the snapshot, the engine's schedule and the saved-value layout of one backward
+//! call, plus the operations a replay performs on the live graph (run a step's node with
+//! given saved values, run a C++ hook, run deferred effects, release saved variables).
+
+use tch::Tensor;
+
+use crate::errors::{ErrorKind, ShimError};
+use crate::ffi::{self, HookKind, NodeRef};
+use crate::graph::{snapshot, Snapshot};
+use crate::layout::{layout, HookRef, Layout, StepMode};
+use crate::order::{schedule, Schedule};
+
+pub struct Plan {
+    pub snapshot: Snapshot,
+    pub schedule: Schedule,
+    pub layout: Layout,
+}
+
+/// Something the replay hands back for the plan to do to the live graph right after it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Deferred {
+    /// Accumulate into the variable of this step's AccumulateGrad.
+    Accumulate { step: u32 },
+    /// Call the retains_grad hook (a C++ hook) watching `output` of this step's node.
+    RetainGrad { step: u32, hook: u32 },
+}
+
+impl Plan {
+    /// Plans the backward from root edges (the gradient edges of the root tensors).
+    pub fn build(roots: &[(NodeRef, u32)]) -> Result<Plan, ShimError> {
+        let snapshot = snapshot(roots)?;
+        let schedule = schedule(&snapshot.graph);
+        let layout = layout(&snapshot, &schedule)?;
+        Ok(Plan {
+            snapshot,
+            schedule,
+            layout,
+        })
+    }
+
+    pub fn num_steps(&self) -> usize {
+        self.schedule.len()
+    }
+
+    fn check_step(&self, step: u32) -> Result<usize, ShimError> {
+        let s = step as usize;
+        if s >= self.schedule.len() {
+            return Err(ShimError::new(
+                ErrorKind::Index,
+                format!(
+                    "step {step} out of range for a plan of {} steps",
+                    self.schedule.len()
+                ),
+            ));
+        }
+        Ok(s)
+    }
+
+    pub fn node(&self, step: u32) -> Result<&NodeRef, ShimError> {
+        let s = self.check_step(step)?;
+        Ok(&self.snapshot.handles[self.schedule.steps[s] as usize])
+    }
+
+    pub fn num_outputs(&self, step: u32) -> Result<u32, ShimError> {
+        let s = self.check_step(step)?;
+        Ok(self.snapshot.graph.next_edges(self.schedule.steps[s]).len() as u32)
+    }
+
+    pub fn hook(&self, step: u32, position: u32) -> Result<HookRef, ShimError> {
+        let s = self.check_step(step)?;
+        let range = &self.layout.steps[s].hooks;
+        let i = range.start + position;
+        if i >= range.end {
+            return Err(ShimError::new(
+                ErrorKind::Index,
+                format!("step {step} has no hook {position}"),
+            ));
+        }
+        Ok(self.layout.hooks[i as usize])
+    }
+
+    /// Runs the step's node on `inputs`. With `saved`, the step's saved values are replaced
+    /// by these for the call (a traced step); without, the node uses its own (opaque steps,
+    /// AccumulateGrad).
+    pub fn apply(
+        &self,
+        step: u32,
+        inputs: &[Option<Tensor>],
+        saved: Option<&[Option<Tensor>]>,
+    ) -> Result<Vec<Option<Tensor>>, ShimError> {
+        let s = self.check_step(step)?;
+        let node = self.node(step)?;
+        let num_outputs = self.num_outputs(step)?;
+        let (svs, values): (&[_], &[Option<Tensor>]) = match saved {
+            Some(values) => {
+                let range = &self.layout.steps[s].saved;
+                let svs = &self.layout.svs[range.start as usize..range.end as usize];
+                if svs.len() != values.len() {
+                    return Err(ShimError::new(
+                        ErrorKind::Value,
+                        format!("step {step} has {} saved values, got {}", svs.len(), values.len()),
+                    ));
+                }
+                (svs, values)
+            }
+            None => (&[], &[]),
+        };
+        ffi::apply_node(node, num_outputs, inputs, svs, values)
+    }
+
+    /// Runs hook `position` of the step (a hook the engine would call; C++ hooks run here).
+    pub fn call_hook(
+        &self,
+        step: u32,
+        position: u32,
+        values: &[Option<Tensor>],
+        inputs: &[Option<Tensor>],
+    ) -> Result<Vec<Option<Tensor>>, ShimError> {
+        let hook = self.hook(step, position)?;
+        let node = self.node(step)?;
+        match hook.kind {
+            HookKind::Post => ffi::call_post_hook(node, hook.index as usize, values, inputs),
+            kind => ffi::call_pre_hook(node, kind, hook.index as usize, values),
+        }
+    }
+
+    /// The effects a replay returns values for, in engine order.
+    pub fn deferred(&self) -> Vec<Deferred> {
+        let mut out = Vec::new();
+        for (s, step) in self.layout.steps.iter().enumerate() {
+            for position in 0..step.hooks.len() as u32 {
+                let hook = self.layout.hooks[(step.hooks.start + position) as usize];
+                if hook.kind == HookKind::RetainsGrad {
+                    out.push(Deferred::RetainGrad {
+                        step: s as u32,
+                        hook: position,
+                    });
+                }
+            }
+            if step.mode == StepMode::DeferredAccumulate {
+                out.push(Deferred::Accumulate { step: s as u32 });
+            }
+        }
+        out
+    }
+
+    /// Performs the deferred effects with the values the replay returned (same order as
+    /// [`Plan::deferred`]). Values are taken out of `values` one by one so that
+    /// AccumulateGrad can steal a gradient nobody else holds, as in the engine.
+    pub fn run_deferred(
+        &self,
+        values: &mut dyn FnMut(usize) -> Result<Option<Tensor>, ShimError>,
+    ) -> Result<(), ShimError> {
+        for (i, effect) in self.deferred().into_iter().enumerate() {
+            let value = values(i)?;
+            match effect {
+                Deferred::Accumulate { step } => {
+                    self.apply(step, &[value], None)?;
+                }
+                Deferred::RetainGrad { step, hook } => {
+                    let output = self.hook(step, hook)?.index as usize;
+                    let s = step as usize;
+                    let width =
+                        self.snapshot.graph.nodes[self.schedule.steps[s] as usize].num_inputs as usize;
+                    let mut list: Vec<Option<Tensor>> = (0..width).map(|_| None).collect();
+                    if output < width {
+                        list[output] = value;
+                    }
+                    self.call_hook(step, hook, &list, &[])?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Frees every executed node's saved variables, as the engine does without
+    /// retain_graph.
+    pub fn release_variables(&self) -> Result<(), ShimError> {
+        for &n in &self.schedule.steps {
+            self.snapshot.handles[n as usize].release_variables()?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,367 @@
+//! The `replaygrad._core` module: converts between Python and the core, and calls it.
+//! No planning logic lives here.
+
+use pyo3::exceptions::{PyRuntimeError, PyTypeError};
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+use tch::Tensor;
+
+use crate::ffi::{HookKind, NodeKind, NodeRef};
+use crate::layout::StepMode;
+use crate::order::NO_STEP;
+use crate::plan::{Deferred, Plan};
+
+/// A Python object → an optional tensor (None stays None).
+fn to_tensor(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Option<Tensor>> {
+    if obj.is_none() {
+        return Ok(None);
+    }
+    // SAFETY: `obj` is alive and we hold the GIL.
+    match unsafe { Tensor::pyobject_unpack(obj.as_ptr() as *mut _) } {
+        Ok(Some(t)) => Ok(Some(t)),
+        Ok(None) => Err(PyTypeError::new_err(format!(
+            "{what} must be a Tensor or None, got {}",
+            obj.get_type().name()?
+        ))),
+        Err(e) => Err(PyRuntimeError::new_err(e.to_string())),
+    }
+}
+
+fn to_tensors(seq: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<Option<Tensor>>> {
+    seq.try_iter()?.map(|item| to_tensor(&item?, what)).collect()
+}
+
+fn to_py<'py>(py: Python<'py>, t: Option<Tensor>) -> PyResult<Bound<'py, PyAny>> {
+    match t {
+        None => Ok(py.None().into_bound(py)),
+        Some(t) => {
+            let ptr = t
+                .pyobject_wrap()
+                .map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+            // SAFETY: THPVariable_Wrap returns a new reference (null with a Python error).
+            unsafe { Bound::from_owned_ptr_or_err(py, ptr as *mut pyo3::ffi::PyObject) }
+        }
+    }
+}
+
+fn to_py_tuple<'py>(py: Python<'py>, ts: Vec<Option<Tensor>>) -> PyResult<Bound<'py, PyTuple>> {
+    let items = ts
+        .into_iter()
+        .map(|t| to_py(py, t))
+        .collect::<PyResult<Vec<_>>>()?;
+    PyTuple::new(py, items)
+}
+
+fn kind_name(kind: NodeKind) -> &'static str {
+    match kind {
+        NodeKind::Generic => "generic",
+        NodeKind::AccumulateGrad => "accumulate_grad",
+        NodeKind::PythonFunction => "python_function",
+        NodeKind::CppFunction => "cpp_function",
+    }
+}
+
+fn mode_name(mode: StepMode) -> &'static str {
+    match mode {
+        StepMode::Traced => "traced",
+        StepMode::Opaque => "opaque",
+        StepMode::DeferredAccumulate => "deferred_accumulate",
+        StepMode::EagerAccumulate => "eager_accumulate",
+    }
+}
+
+fn hook_kind_name(kind: HookKind) -> &'static str {
+    match kind {
+        HookKind::TensorPre => "tensor_pre",
+        HookKind::Pre => "pre",
+        HookKind::Post => "post",
+        HookKind::RetainsGrad => "retains_grad",
+    }
+}
+
+/// The plan of one backward call (see `replaygrad._core.pyi`).
+#[pyclass(name = "Plan", module = "replaygrad._core", unsendable)]
+pub struct PyPlan {
+    plan: Plan,
+}
+
+#[pymethods]
+impl PyPlan {
+    /// Hex digest of everything a compiled replay specialises on.
+    #[getter]
+    fn key(&self) -> String {
+        format!("{:032x}", self.plan.layout.key)
+    }
+
+    #[getter]
+    fn num_steps(&self) -> usize {
+        self.plan.num_steps()
+    }
+
+    #[getter]
+    fn num_saved(&self) -> usize {
+        self.plan.layout.num_saved()
+    }
+
+    #[getter]
+    fn num_roots(&self) -> usize {
+        self.plan.snapshot.graph.roots.len()
+    }
+
+    /// Node names in execution order.
+    fn order(&self) -> Vec<String> {
+        let g = &self.plan.snapshot.graph;
+        self.plan
+            .schedule
+            .steps
+            .iter()
+            .map(|&n| g.name(n).to_owned())
+            .collect()
+    }
+
+    /// The grad_fn objects of the steps, in execution order.
+    fn nodes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let mut out = Vec::with_capacity(self.plan.num_steps());
+        for step in 0..self.plan.num_steps() as u32 {
+            let ptr = self.plan.node(step)?.to_pyobject()?;
+            // SAFETY: a new reference from functionToPyObject.
+            out.push(unsafe { Bound::from_owned_ptr(py, ptr) });
+        }
+        PyList::new(py, out)
+    }
+
+    /// Per step: (name, kind, mode, sequence_nr, num_inputs, num_outputs, saved_start,
+    /// saved_end, slots, outputs, hooks). slots[i] lists (step, index) sources of input i
+    /// (step -1: root gradient `index`); outputs[j] is (target step or -1, input_nr);
+    /// hooks are (kind, index, python, value_idx or -1).
+    fn steps<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let plan = &self.plan;
+        let g = &plan.snapshot.graph;
+        let mut out = Vec::with_capacity(plan.num_steps());
+        for (s, &n) in plan.schedule.steps.iter().enumerate() {
+            let data = &g.nodes[n as usize];
+            let step = &plan.layout.steps[s];
+            let slots: Vec<Vec<(i64, u32)>> = (0..data.num_inputs)
+                .map(|i| {
+                    plan.schedule
+                        .slot_sources(s as u32, i)
+                        .iter()
+                        .map(|src| (if src.is_root() { -1 } else { i64::from(src.step) }, src.index))
+                        .collect()
+                })
+                .collect();
+            let outputs: Vec<(i64, u32)> = g
+                .next_edges(n)
+                .iter()
+                .map(|e| {
+                    let target = if e.is_valid() {
+                        plan.schedule.step_of[e.node as usize]
+                    } else {
+                        NO_STEP
+                    };
+                    (if target == NO_STEP { -1 } else { i64::from(target) }, e.input_nr)
+                })
+                .collect();
+            let hooks: Vec<(&str, u32, bool, i64)> = plan.layout.hooks
+                [step.hooks.start as usize..step.hooks.end as usize]
+                .iter()
+                .map(|h| {
+                    (
+                        hook_kind_name(h.kind),
+                        h.index,
+                        h.python,
+                        h.value_idx.map_or(-1, i64::from),
+                    )
+                })
+                .collect();
+            let item = (
+                g.name(n),
+                kind_name(data.kind),
+                mode_name(step.mode),
+                data.sequence_nr,
+                data.num_inputs,
+                outputs.len(),
+                step.saved.start,
+                step.saved.end,
+                slots,
+                outputs,
+                hooks,
+            );
+            out.push(item.into_pyobject(py)?);
+        }
+        PyList::new(py, out)
+    }
+
+    /// The saved values of traced steps, one per slot, as planned (detached).
+    fn saved_values<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let items = self
+            .plan
+            .layout
+            .values
+            .iter()
+            .map(|v| to_py(py, v.as_ref().map(|t| t.shallow_clone())))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, items)
+    }
+
+    /// For every Python hook of the plan, in replay order: the hook's callables, read from
+    /// the live graph now (hooks are inputs of a replay, not part of its key).
+    fn hook_functions<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let mut out = Vec::new();
+        for (s, step) in self.plan.layout.steps.iter().enumerate() {
+            for i in step.hooks.clone() {
+                let hook = self.plan.layout.hooks[i as usize];
+                if !hook.python {
+                    continue;
+                }
+                let node = self.plan.node(s as u32)?;
+                let dict = node
+                    .hook_dict(hook.kind, hook.index as usize)?
+                    .ok_or_else(|| PyRuntimeError::new_err("a Python hook lost its dict"))?;
+                // SAFETY: a new reference to the hook's dict.
+                let dict = unsafe { Bound::from_owned_ptr(py, dict) };
+                let values = dict.call_method0("values")?;
+                out.push(PyList::new(
+                    py,
+                    values.try_iter()?.collect::<PyResult<Vec<_>>>()?,
+                )?);
+            }
+        }
+        PyList::new(py, out)
+    }
+
+    /// (step, kind, hook position or -1) of each deferred effect, in the order the replay
+    /// returns their values.
+    fn deferred(&self) -> Vec<(u32, &'static str, i64)> {
+        self.plan
+            .deferred()
+            .into_iter()
+            .map(|d| match d {
+                Deferred::Accumulate { step } => (step, "accumulate", -1),
+                Deferred::RetainGrad { step, hook } => (step, "retain_grad", i64::from(hook)),
+            })
+            .collect()
+    }
+
+    /// validate_outputs over the root edges, as the engine does first.
+    fn validate_root_grads<'py>(
+        &self,
+        py: Python<'py>,
+        grads: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let grads = to_tensors(grads, "grad")?;
+        let plan = &self.plan;
+        let roots: Vec<(Option<&NodeRef>, u32)> = plan
+            .snapshot
+            .graph
+            .roots
+            .iter()
+            .map(|e| (Some(&plan.snapshot.handles[e.node as usize]), e.input_nr))
+            .collect();
+        let out = crate::ffi::validate_root_grads(&roots, &grads)?;
+        to_py_tuple(py, out)
+    }
+
+    /// Runs a step's node with `saved` swapped in (or its own saved values when None).
+    #[pyo3(signature = (step, inputs, saved=None))]
+    fn apply<'py>(
+        &self,
+        py: Python<'py>,
+        step: u32,
+        inputs: &Bound<'py, PyAny>,
+        saved: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let inputs = to_tensors(inputs, "gradient")?;
+        let saved = saved.map(|s| to_tensors(s, "saved value")).transpose()?;
+        let out = self.plan.apply(step, &inputs, saved.as_deref())?;
+        to_py_tuple(py, out)
+    }
+
+    /// Runs hook `position` of a step through the engine's hook interface.
+    #[pyo3(signature = (step, position, values, inputs=None))]
+    fn call_hook<'py>(
+        &self,
+        py: Python<'py>,
+        step: u32,
+        position: u32,
+        values: &Bound<'py, PyAny>,
+        inputs: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let values = to_tensors(values, "gradient")?;
+        let inputs = inputs
+            .map(|i| to_tensors(i, "gradient"))
+            .transpose()?
+            .unwrap_or_default();
+        let out = self.plan.call_hook(step, position, &values, &inputs)?;
+        to_py_tuple(py, out)
+    }
+
+    /// Performs the deferred effects with the values the replay returned. Empties `values`
+    /// as it goes, so that a gradient referenced nowhere else can be stolen by
+    /// AccumulateGrad instead of copied.
+    fn run_deferred(&self, values: &Bound<'_, PyList>) -> PyResult<()> {
+        let expected = self.plan.deferred().len();
+        if values.len() != expected {
+            return Err(PyRuntimeError::new_err(format!(
+                "replay returned {} deferred values, the plan expects {expected}",
+                values.len()
+            )));
+        }
+        let taken: Vec<Option<Tensor>> = values
+            .iter()
+            .map(|v| to_tensor(&v, "gradient"))
+            .collect::<PyResult<_>>()?;
+        values.del_slice(0, values.len())?;
+        let mut taken = taken.into_iter();
+        self.plan.run_deferred(&mut |_| Ok(taken.next().flatten()))?;
+        Ok(())
+    }
+
+    /// Frees the saved variables of every executed node (backward without retain_graph).
+    fn release_variables(&self) -> PyResult<()> {
+        Ok(self.plan.release_variables()?)
+    }
+}
+
+/// Plans the backward of `roots` (tensors): walks the graph, orders it as the engine would
+/// and lays out its saved values.
+#[pyfunction]
+fn plan(roots: &Bound<'_, PyAny>) -> PyResult<PyPlan> {
+    let mut edges = Vec::new();
+    for (i, item) in roots.try_iter()?.enumerate() {
+        let item = item?;
+        let tensor = to_tensor(&item, "tensors")?
+            .ok_or_else(|| PyTypeError::new_err("tensors must not contain None"))?;
+        match NodeRef::gradient_edge(&tensor)? {
+            Some(edge) => edges.push(edge),
+            None => {
+                return Err(PyRuntimeError::new_err(format!(
+                    "element {i} of tensors does not require grad and does not have a grad_fn"
+                )))
+            }
+        }
+    }
+    Ok(PyPlan {
+        plan: Plan::build(&edges)?,
+    })
+}
+
+/// The node behind a grad_fn object, compared by identity: True when both objects wrap
+/// the same `torch::autograd::Node`.
+#[pyfunction]
+fn same_node(a: &Bound<'_, PyAny>, b: &Bound<'_, PyAny>) -> PyResult<bool> {
+    // SAFETY: live objects, GIL held.
+    let na = unsafe { NodeRef::from_pyobject(a.as_ptr()) }?;
+    let nb = unsafe { NodeRef::from_pyobject(b.as_ptr()) }?;
+    Ok(matches!((na, nb), (Some(x), Some(y)) if x.as_ptr() == y.as_ptr()))
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // tch's THPVariable_Wrap needs torch's Python types initialised.
+    m.py().import("torch")?;
+    m.add_class::<PyPlan>()?;
+    m.add_function(wrap_pyfunction!(plan, m)?)?;
+    m.add_function(wrap_pyfunction!(same_node, m)?)?;
+    m.add("TORCH_VERSION", env!("REPLAYGRAD_TORCH_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,319 @@
+//! Graph tests: real autograd graphs built with tch, planned by the crate, and checked
+//! against what the engine does with the same graph.
+
+use replaygrad::errors::{ErrorKind, ShimError};
+use replaygrad::ffi::{NodeKind, NodeRef};
+use replaygrad::layout::StepMode;
+use replaygrad::plan::Plan;
+use tch::{Device, Kind, Tensor};
+
+fn leaf(values: &[f32]) -> Tensor {
+    Tensor::from_slice(values).set_requires_grad(true)
+}
+
+fn plan_of(roots: &[&Tensor]) -> Plan {
+    let edges: Vec<(NodeRef, u32)> = roots
+        .iter()
+        .map(|t| {
+            NodeRef::gradient_edge(t)
+                .expect("gradient_edge")
+                .expect("root requires grad")
+        })
+        .collect();
+    Plan::build(&edges).expect("plan")
+}
+
+fn names(plan: &Plan) -> Vec<String> {
+    let g = &plan.snapshot.graph;
+    plan.schedule
+        .steps
+        .iter()
+        .map(|&n| g.name(n).to_owned())
+        .collect()
+}
+
+const ACC: &str = "torch::autograd::AccumulateGrad";
+
+fn allclose(a: &Tensor, b: &Tensor) -> bool {
+    a.allclose(b, 1e-6, 1e-6, false)
+}
+
+/// Runs a plan's steps with the engine's routing (sum of arrivals per input, in arrival
+/// order) and returns the gradient reaching each AccumulateGrad step, by step.
+fn run(plan: &Plan, root_grads: Vec<Tensor>, swap_saved: bool) -> Vec<(u32, Tensor)> {
+    let mut outputs: Vec<Vec<Option<Tensor>>> = Vec::new();
+    let mut leaves = Vec::new();
+    for s in 0..plan.num_steps() as u32 {
+        let mut inputs = Vec::new();
+        for k in 0..plan.schedule.num_slots(s) {
+            let mut total: Option<Tensor> = None;
+            for src in plan.schedule.slot_sources(s, k) {
+                let g = if src.is_root() {
+                    Some(root_grads[src.index as usize].shallow_clone())
+                } else {
+                    outputs[src.step as usize][src.index as usize]
+                        .as_ref()
+                        .map(|t| t.shallow_clone())
+                };
+                total = match (total, g) {
+                    (Some(t), Some(g)) => Some(t + g),
+                    (t, g) => t.or(g),
+                };
+            }
+            inputs.push(total);
+        }
+        let step = &plan.layout.steps[s as usize];
+        if step.mode == StepMode::DeferredAccumulate {
+            leaves.push((s, inputs[0].as_ref().expect("leaf grad").shallow_clone()));
+            outputs.push(Vec::new());
+            continue;
+        }
+        let saved: Vec<Option<Tensor>> = plan.layout.values
+            [step.saved.start as usize..step.saved.end as usize]
+            .iter()
+            .map(|v| v.as_ref().map(|t| t.shallow_clone()))
+            .collect();
+        let out = plan
+            .apply(s, &inputs, swap_saved.then_some(&saved[..]))
+            .expect("apply");
+        outputs.push(out);
+    }
+    leaves
+}
+
+#[test]
+fn chain_is_planned_in_engine_order_with_its_saved_values() {
+    let x = leaf(&[1.0, 2.0, 3.0]);
+    let w = leaf(&[0.5, -1.0, 2.0]);
+    let y = (&x * &w).sin().sum(Kind::Float);
+    let plan = plan_of(&[&y]);
+    assert_eq!(
+        names(&plan),
+        vec!["SumBackward0", "SinBackward0", "MulBackward0", ACC, ACC]
+    );
+    let saved: Vec<usize> = plan.layout.steps.iter().map(|s| s.saved.len()).collect();
+    assert_eq!(saved, vec![0, 1, 2, 0, 0]);
+    assert_eq!(plan.layout.num_saved(), 3);
+
+    // The replay's gradients equal the engine's.
+    let leaves = run(&plan, vec![Tensor::from(1.0f32)], true);
+    y.backward();
+    assert!(allclose(&leaves[0].1, &x.grad()) || allclose(&leaves[0].1, &w.grad()));
+    let got: Vec<Tensor> = leaves.into_iter().map(|(_, g)| g).collect();
+    assert!(got.iter().any(|g| allclose(g, &x.grad())));
+    assert!(got.iter().any(|g| allclose(g, &w.grad())));
+}
+
+#[test]
+fn swapped_saved_values_are_used_and_then_restored() {
+    let a = leaf(&[1.0, 2.0]);
+    let b = leaf(&[3.0, 4.0]);
+    let y = (&a * &b).sum(Kind::Float);
+    let plan = plan_of(&[&y]);
+    let mul = 1u32;
+    assert_eq!(names(&plan)[mul as usize], "MulBackward0");
+    let ones = Tensor::ones([2], (Kind::Float, Device::Cpu));
+    // Replace both saved values by 10 and 100: the gradients must follow the replacements.
+    let ten = Tensor::full([2], 10.0, (Kind::Float, Device::Cpu));
+    let hundred = Tensor::full([2], 100.0, (Kind::Float, Device::Cpu));
+    let out = plan
+        .apply(
+            mul,
+            &[Some(ones.shallow_clone())],
+            Some(&[Some(ten.shallow_clone()), Some(hundred.shallow_clone())]),
+        )
+        .unwrap();
+    let grads: Vec<Tensor> = out.into_iter().map(|g| g.unwrap()).collect();
+    let mut seen: Vec<f64> = grads.iter().map(|g| g.double_value(&[0])).collect();
+    seen.sort_by(f64::total_cmp);
+    assert_eq!(seen, vec![10.0, 100.0]);
+    // The node's own saved values are back: an ordinary backward is still right.
+    y.backward();
+    assert!(allclose(&a.grad(), &b.detach()));
+    assert!(allclose(&b.grad(), &a.detach()));
+}
+
+#[test]
+fn diamond_sums_both_branches_before_the_shared_node() {
+    let x = leaf(&[0.3, -0.7]);
+    let h = &x * 2.0;
+    let y = (h.sin() + h.cos()).sum(Kind::Float);
+    let plan = plan_of(&[&y]);
+    let order = names(&plan);
+    // `x * 2.0` is mul.Scalar: MulBackward1.
+    assert_eq!(
+        order,
+        vec![
+            "SumBackward0",
+            "AddBackward0",
+            "CosBackward0",
+            "SinBackward0",
+            "MulBackward1",
+            ACC
+        ]
+    );
+    let mul = 4u32;
+    assert_eq!(plan.schedule.slot_sources(mul, 0).len(), 2);
+    let leaves = run(&plan, vec![Tensor::from(1.0f32)], true);
+    y.backward();
+    assert!(allclose(&leaves[0].1, &x.grad()));
+}
+
+#[test]
+fn node_with_several_inputs_gets_each_gradient_in_its_slot() {
+    let x = leaf(&[1.0, 2.0, 3.0, 4.0]);
+    let parts = (&x * 3.0).unbind(0);
+    // Consumers of unbind's outputs, created in the opposite order of the outputs.
+    let y = parts[3].exp() * 2.0 + parts[1].sin() + &parts[0] * 5.0;
+    let y = y.sum(Kind::Float);
+    let plan = plan_of(&[&y]);
+    let unbind = names(&plan).iter().position(|n| n == "UnbindBackward0").unwrap() as u32;
+    assert_eq!(plan.schedule.num_slots(unbind), 4);
+    assert!(
+        plan.schedule.slot_sources(unbind, 2).is_empty(),
+        "output 2 is unused"
+    );
+    let leaves = run(&plan, vec![Tensor::from(1.0f32)], true);
+    y.backward();
+    assert!(allclose(&leaves[0].1, &x.grad()));
+}
+
+#[test]
+fn list_valued_saved_values_are_laid_out() {
+    // IndexBackward0 keeps a vector<SavedVariable> of index tensors.
+    let x = leaf(&[1.0, 2.0, 3.0, 4.0]);
+    let idx = Tensor::from_slice(&[0i64, 2, 2]);
+    let y = x.index(&[Some(idx)]).sum(Kind::Float);
+    let plan = plan_of(&[&y]);
+    let index = names(&plan).iter().position(|n| n == "IndexBackward0").unwrap();
+    assert_eq!(plan.layout.steps[index].saved.len(), 1);
+    let leaves = run(&plan, vec![Tensor::from(1.0f32)], true);
+    y.backward();
+    assert!(allclose(&leaves[0].1, &x.grad()));
+    assert_eq!(x.grad().double_value(&[2]), 2.0);
+}
+
+#[test]
+fn several_roots_and_a_repeated_root() {
+    let x = leaf(&[1.0, -1.0]);
+    let a = (&x * &x).sum(Kind::Float);
+    let b = x.exp().sum(Kind::Float);
+    let plan = plan_of(&[&a, &b, &a]);
+    assert_eq!(plan.snapshot.graph.roots.len(), 3);
+    let a_step = plan.schedule.step_of[plan.snapshot.graph.roots[0].node as usize];
+    assert_eq!(
+        plan.schedule.slot_sources(a_step, 0).len(),
+        2,
+        "a is a root twice"
+    );
+    let ones = || Tensor::from(1.0f32);
+    let leaves = run(&plan, vec![ones(), ones(), ones()], true);
+    let expected = &x * 4.0 + x.exp();
+    assert!(allclose(&leaves[0].1, &expected.detach()));
+}
+
+#[test]
+fn accumulate_grads_of_one_node_are_ordered_like_the_engine() {
+    // Five leaves feed one node: their AccumulateGrads become ready together and tie on
+    // sequence_nr; libstdc++'s heap pops them 0, 2, 4, 1, 3.
+    let leaves: Vec<Tensor> = (0..5).map(|i| leaf(&[i as f32])).collect();
+    let y = Tensor::stack(&leaves, 0).sum(Kind::Float);
+    let plan = plan_of(&[&y]);
+    let order: Vec<u32> = plan.schedule.steps.clone();
+    assert_eq!(names(&plan)[..2], ["SumBackward0", "StackBackward0"]);
+    let stack_node = plan.schedule.steps[1];
+    let targets: Vec<u32> = plan
+        .snapshot
+        .graph
+        .next_edges(stack_node)
+        .iter()
+        .map(|e| e.node)
+        .collect();
+    let popped: Vec<usize> = order[2..]
+        .iter()
+        .map(|n| targets.iter().position(|t| t == n).unwrap())
+        .collect();
+    assert_eq!(popped, vec![0, 2, 4, 1, 3]);
+}
+
+#[test]
+fn node_kinds_and_modes() {
+    let x = leaf(&[1.0]);
+    let y = (&x * 2.0).sum(Kind::Float);
+    let plan = plan_of(&[&y]);
+    let kinds: Vec<NodeKind> = plan
+        .schedule
+        .steps
+        .iter()
+        .map(|&n| plan.snapshot.graph.nodes[n as usize].kind)
+        .collect();
+    assert_eq!(
+        kinds,
+        vec![NodeKind::Generic, NodeKind::Generic, NodeKind::AccumulateGrad]
+    );
+    let modes: Vec<StepMode> = plan.layout.steps.iter().map(|s| s.mode).collect();
+    assert_eq!(
+        modes,
+        vec![StepMode::Traced, StepMode::Traced, StepMode::DeferredAccumulate]
+    );
+}
+
+#[test]
+fn the_key_is_structural() {
+    let key = |scale: f64, n: usize| {
+        let x = Tensor::ones([n as i64], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let y = (x.addcmul(&x, &x) * scale).sum(Kind::Float);
+        plan_of(&[&y]).layout.key
+    };
+    // Fresh graphs of the same structure share a key ...
+    assert_eq!(key(2.0, 3), key(2.0, 3));
+    // ... a different scalar or shape does not.
+    assert_ne!(key(2.0, 3), key(3.0, 3));
+    assert_ne!(key(2.0, 3), key(2.0, 4));
+}
+
+#[test]
+fn released_graph_fails_like_the_engine() {
+    let x = leaf(&[1.0, 2.0]);
+    let y = x.exp().sum(Kind::Float);
+    let plan = plan_of(&[&y]);
+    plan.release_variables().unwrap();
+    match plan_of_result(&y) {
+        Err(ShimError::Torch { kind, message }) => {
+            assert_eq!(kind, ErrorKind::Runtime);
+            assert!(
+                message.contains("backward through the graph a second time"),
+                "{message}"
+            );
+        }
+        other => panic!("expected the engine's error, got {:?}", other.map(|_| ())),
+    }
+}
+
+fn plan_of_result(root: &Tensor) -> Result<Plan, ShimError> {
+    let edge = NodeRef::gradient_edge(root)?.expect("root requires grad");
+    Plan::build(&[edge])
+}
+
+#[test]
+fn bad_step_numbers_are_errors_not_crashes() {
+    let x = leaf(&[1.0]);
+    let y = x.exp().sum(Kind::Float);
+    let plan = plan_of(&[&y]);
+    let err = plan.apply(99, &[], None).expect_err("out of range");
+    assert!(matches!(
+        err,
+        ShimError::Torch {
+            kind: ErrorKind::Index,
+            ..
+        }
+    ));
+    let err = plan.apply(1, &[None], Some(&[])).expect_err("wrong saved count");
+    assert!(matches!(
+        err,
+        ShimError::Torch {
+            kind: ErrorKind::Value,
+            ..
+        }
+    ));
+}

@@ -1,0 +1,144 @@
+"""Shared fixtures and helpers: every test compares replaygrad with eager autograd in the same
+process, on the same inputs."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Sequence
+
+import pytest
+import torch
+
+import replaygrad
+from replaygrad._compile import cache
+
+COMPILERS = [None, "aot_eager", "inductor"]
+FAST_COMPILERS = [None, "aot_eager"]
+
+
+@pytest.fixture(autouse=True)
+def _isolated():
+    """Each test starts with an empty replay cache and a fixed seed."""
+    cache.clear()
+    torch.manual_seed(0)
+    yield
+    cache.clear()
+
+
+def all_nodes(roots: Sequence[torch.Tensor]) -> list:
+    """Every grad_fn reachable from the roots (Python walk over next_functions)."""
+    seen: dict[int, object] = {}
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen[id(fn)] = fn
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return list(seen.values())
+
+
+def engine_order(roots: Sequence[torch.Tensor], grads=None) -> list[str]:
+    """The order the engine really runs nodes in, recorded by a pre-hook on every node.
+
+    Runs an eager backward with retain_graph=True and removes the hooks afterwards.
+    """
+    order: list[str] = []
+    handles = []
+    for fn in all_nodes(roots):
+        handles.append(fn.register_prehook(lambda g, fn=fn: order.append(fn.name())))
+    try:
+        torch.autograd.backward(list(roots), grads, retain_graph=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return order
+
+
+def reported_order(root: torch.Tensor) -> list[str]:
+    """What torch._C._current_graph_task_execution_order() reports during an eager backward."""
+    out: list[str] = []
+
+    def hook(grads):
+        out.extend(fn.name() for fn in torch._C._current_graph_task_execution_order())
+
+    handle = root.grad_fn.register_prehook(hook)
+    try:
+        with torch.autograd.set_multithreading_enabled(False):
+            root.backward(torch.ones_like(root), retain_graph=True)
+    finally:
+        handle.remove()
+    return out
+
+
+def grads_of(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor | None]:
+    return [None if t.grad is None else t.grad.clone() for t in tensors]
+
+
+def assert_grads_equal(expected, actual, exact: bool) -> None:
+    assert len(expected) == len(actual)
+    for i, (e, a) in enumerate(zip(expected, actual)):
+        if e is None or a is None:
+            assert e is None and a is None, f"grad {i}: {e} vs {a}"
+            continue
+        assert e.shape == a.shape and e.dtype == a.dtype, f"grad {i}"
+        if exact:
+            assert torch.equal(e, a), f"grad {i} differs: max {(e - a).abs().max()}"
+        else:
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5, msg=f"grad {i}")
+
+
+def compare_training(
+    make_model: Callable[[], torch.nn.Module],
+    make_input: Callable[[], torch.Tensor],
+    compiler,
+    iterations: int = 3,
+) -> None:
+    """Trains an eager copy and a replaygrad copy of a model side by side and compares the
+    parameter gradients after every backward."""
+    eager_model = make_model()
+    rg_model = copy.deepcopy(eager_model)
+    eager_opt = torch.optim.SGD(eager_model.parameters(), lr=0.1)
+    rg_opt = torch.optim.SGD(rg_model.parameters(), lr=0.1)
+    for _ in range(iterations):
+        x = make_input()
+        eager_opt.zero_grad()
+        eager_model(x).square().mean().backward()
+        rg_opt.zero_grad()
+        replaygrad.backward(rg_model(x).square().mean(), compiler=compiler)
+        assert_grads_equal(
+            grads_of(eager_model.parameters()),
+            grads_of(rg_model.parameters()),
+            exact=compiler is None,
+        )
+        eager_opt.step()
+        rg_opt.step()
+
+
+def counting_backend():
+    """A torch.compile backend that counts the graphs it is asked to compile."""
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.append(gm)
+        return gm.forward
+
+    return backend, calls
+
+
+__all__ = [
+    "COMPILERS",
+    "FAST_COMPILERS",
+    "all_nodes",
+    "assert_grads_equal",
+    "compare_training",
+    "counting_backend",
+    "engine_order",
+    "grads_of",
+    "reported_order",
+]
+
+
+@pytest.fixture
+def deepcopy():
+    return copy.deepcopy
