@@ -250,6 +250,23 @@ rg_status rg_tensor_gradient_edge(const rg_tensor* t, rg_node** node, uint32_t* 
   RG_CATCH
 }
 
+rg_status rg_tensor_input_edge(const rg_tensor* t, rg_node** node, uint32_t* input_nr) {
+  RG_TRY
+  *node = nullptr;
+  *input_nr = 0;
+  const at::Tensor& tensor = as_tensor(t);
+  c10::intrusive_ptr<Node> fn = tensor.grad_fn();
+  if (fn) {
+    *input_nr = tensor.output_nr();
+  } else {
+    fn = torch::autograd::impl::try_get_grad_accumulator(tensor);
+  }
+  if (fn) {
+    *node = as_rg(fn.release());
+  }
+  RG_CATCH
+}
+
 rg_status rg_node_from_pyobject(PyObject* obj, rg_node** node) {
   RG_TRY
   *node = nullptr;

@@ -55,6 +55,10 @@ void rg_node_decref(rg_node* node);
 // The gradient edge of a tensor: (grad_fn, output_nr) for a non-leaf, (AccumulateGrad, 0)
 // for a leaf that requires grad, a null node otherwise. New reference.
 rg_status rg_tensor_gradient_edge(const rg_tensor* t, rg_node** node, uint32_t* input_nr);
+// The edge autograd.grad/backward(inputs=) differentiate with respect to: (grad_fn,
+// output_nr) for a non-leaf, the existing AccumulateGrad for a leaf, a null node for a leaf
+// that has none (it was never used in a graph). New reference.
+rg_status rg_tensor_input_edge(const rg_tensor* t, rg_node** node, uint32_t* input_nr);
 // The node behind a Python grad_fn object (C++ node or Python custom Function context).
 // New reference; null if `obj` is neither.
 rg_status rg_node_from_pyobject(PyObject* obj, rg_node** node);

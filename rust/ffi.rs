@@ -70,6 +70,7 @@ extern "C" {
     fn rg_node_incref(node: *mut RawNode);
     fn rg_node_decref(node: *mut RawNode);
     fn rg_tensor_gradient_edge(t: *const C_tensor, node: *mut *mut RawNode, input_nr: *mut u32) -> c_int;
+    fn rg_tensor_input_edge(t: *const C_tensor, node: *mut *mut RawNode, input_nr: *mut u32) -> c_int;
     fn rg_node_from_pyobject(obj: PyObjectPtr, node: *mut *mut RawNode) -> c_int;
     fn rg_node_to_pyobject(node: *mut RawNode, out: *mut PyObjectPtr) -> c_int;
     fn rg_node_get_info(node: *mut RawNode, info: *mut RawNodeInfo) -> c_int;
@@ -269,6 +270,16 @@ impl NodeRef {
         let mut input_nr = 0;
         // SAFETY: `tensor` is a live at::Tensor handle.
         check(unsafe { rg_tensor_gradient_edge(tensor.as_ptr(), &mut node, &mut input_nr) })?;
+        Ok(NodeRef::from_new(node).map(|n| (n, input_nr)))
+    }
+
+    /// The edge to differentiate with respect to (`inputs=`): the grad_fn edge of a non-leaf,
+    /// the existing AccumulateGrad of a leaf, None for a leaf that has none yet.
+    pub fn input_edge(tensor: &Tensor) -> Result<Option<(NodeRef, u32)>, ShimError> {
+        let mut node = ptr::null_mut();
+        let mut input_nr = 0;
+        // SAFETY: `tensor` is a live at::Tensor handle.
+        check(unsafe { rg_tensor_input_edge(tensor.as_ptr(), &mut node, &mut input_nr) })?;
         Ok(NodeRef::from_new(node).map(|n| (n, input_nr)))
     }
 

@@ -70,6 +70,9 @@ pub struct Graph {
     pub edges: Vec<Edge>,
     /// The root edges, in the order the caller gave the roots.
     pub roots: Vec<Edge>,
+    /// The edges to differentiate with respect to (`inputs=`), in the caller's order;
+    /// invalid where the input is not reachable from the roots.
+    pub outputs: Vec<Edge>,
     /// Display names of node types (`name()`), shared by nodes of the same type.
     pub type_names: Vec<String>,
 }
@@ -112,6 +115,7 @@ impl Graph {
             edge_start,
             edges,
             roots,
+            outputs: Vec::new(),
             type_names,
         }
     }
@@ -146,7 +150,9 @@ pub struct Snapshot {
 
 /// Walks the graph reachable from the root edges, breadth first (the engine's
 /// compute_dependencies visits the same set), holding a strong reference to every node.
-pub fn snapshot(roots: &[(NodeRef, u32)]) -> Result<Snapshot, ShimError> {
+/// `outputs` are the edges of `inputs=` (None for an input without a node); they are
+/// located in the walked graph, not walked from.
+pub fn snapshot(roots: &[(NodeRef, u32)], outputs: &[Option<(NodeRef, u32)>]) -> Result<Snapshot, ShimError> {
     let mut graph = Graph::default();
     let mut handles: Vec<NodeRef> = Vec::new();
     let mut index: PtrMap<u32> = PtrMap::default();
@@ -226,6 +232,16 @@ pub fn snapshot(roots: &[(NodeRef, u32)]) -> Result<Snapshot, ShimError> {
         graph.edge_start.push(graph.edges.len() as u32);
         n += 1;
     }
+    graph.outputs = outputs
+        .iter()
+        .map(|o| match o {
+            Some((node, input_nr)) => match index.get(&(node.as_ptr() as usize)) {
+                Some(&i) => Edge::new(i, *input_nr),
+                None => Edge::INVALID,
+            },
+            None => Edge::INVALID,
+        })
+        .collect();
     Ok(Snapshot { graph, handles })
 }
 

@@ -37,6 +37,9 @@ pub enum StepMode {
     DeferredAccumulate,
     /// AccumulateGrad run in place, eagerly, because hooks observe `.grad` around it.
     EagerAccumulate,
+    /// Popped but not needed (`inputs=`): only its tensor pre-hooks run and its captures
+    /// are taken (evaluate_function with `!needed_`).
+    Skipped,
 }
 
 #[derive(Debug)]
@@ -64,7 +67,15 @@ impl Layout {
     }
 }
 
-fn hooks_of(node: &NodeRef, graph: &Graph, n: u32, out: &mut Vec<HookRef>) -> Result<(), ShimError> {
+/// The hooks the engine calls for node `n`: all of them when it runs, only
+/// call_tensor_pre_hooks' when it is popped without being needed.
+fn hooks_of(
+    node: &NodeRef,
+    graph: &Graph,
+    n: u32,
+    runs: bool,
+    out: &mut Vec<HookRef>,
+) -> Result<(), ShimError> {
     let counts = graph.nodes[n as usize].hooks;
     for i in 0..counts.tensor_pre {
         let (python, value_idx) = node.hook_kind(HookKind::TensorPre, i as usize)?;
@@ -84,6 +95,9 @@ fn hooks_of(node: &NodeRef, graph: &Graph, n: u32, out: &mut Vec<HookRef>) -> Re
                 value_idx: None,
             });
         }
+    }
+    if !runs {
+        return Ok(());
     }
     for i in 0..counts.pre {
         let (python, _) = node.hook_kind(HookKind::Pre, i as usize)?;
@@ -131,13 +145,20 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
         hash_u32(&mut hasher, root.input_nr);
     }
 
+    hash_u32(&mut hasher, graph.outputs.len() as u32);
+
     let mut num_saved = 0u32;
-    for &n in &schedule.steps {
+    for (s, &n) in schedule.steps.iter().enumerate() {
         let node = &snapshot.handles[n as usize];
         let data = &graph.nodes[n as usize];
+        let runs = schedule.needed[s];
         let hook_start = hooks.len() as u32;
         if data.hooks.any() {
-            hooks_of(node, graph, n, &mut hooks)?;
+            hooks_of(node, graph, n, runs, &mut hooks)?;
+        }
+        for c in schedule.step_captures(s as u32) {
+            hash_u32(&mut hasher, c.input_nr);
+            hash_u32(&mut hasher, c.output_idx);
         }
         let step_hooks = &hooks[hook_start as usize..];
         let has_python_post = step_hooks.iter().any(|h| h.kind == HookKind::Post);
@@ -177,7 +198,9 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
             hash_u32(&mut hasher, h.value_idx.unwrap_or(u32::MAX));
         }
 
-        let mut mode = if data.kind == NodeKind::AccumulateGrad {
+        let mut mode = if !runs {
+            StepMode::Skipped
+        } else if data.kind == NodeKind::AccumulateGrad {
             // Post hooks and post-accumulate-grad hooks read `.grad` right after this
             // node; a C++ hook may do anything. Then accumulate in place, as the engine.
             if has_python_post || has_cpp_hook || data.hooks.post_acc_grad {

@@ -34,16 +34,31 @@ impl Source {
 /// The engine's run of a graph: which nodes run, in which order, fed by what.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Schedule {
-    /// Node index of each step, in execution order.
+    /// Node index of each step, in execution order. A step is a node the engine pops from
+    /// its ready queue; with `inputs=` some are popped only to capture or to run their
+    /// tensor pre-hooks (`needed[s]` false).
     pub steps: Vec<u32>,
-    /// Step of each node, NO_STEP for nodes that do not run.
+    /// Step of each node, NO_STEP for nodes that are never popped.
     pub step_of: Vec<u32>,
+    /// Whether the step's node runs (exec_info's `needed_`; always true without inputs=).
+    pub needed: Vec<bool>,
     /// Step s's input slots (one per node input) are `slot_start[s]..slot_start[s + 1]`.
     pub slot_start: Vec<u32>,
     /// Slot k's incoming gradients are `sources[source_start[k]..source_start[k + 1]]`, in
     /// arrival order (the order InputBuffer::add accumulates them).
     pub source_start: Vec<u32>,
     pub sources: Vec<Source>,
+    /// Step s captures `captures[capture_start[s]..capture_start[s + 1]]`.
+    pub capture_start: Vec<u32>,
+    pub captures: Vec<Capture>,
+}
+
+/// `ExecInfo::Capture`: input `input_nr` of the step's node is returned as result
+/// `output_idx` of autograd.grad.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Capture {
+    pub input_nr: u32,
+    pub output_idx: u32,
 }
 
 impl Schedule {
@@ -63,6 +78,83 @@ impl Schedule {
 
     pub fn num_slots(&self, step: u32) -> u32 {
         self.slot_start[step as usize + 1] - self.slot_start[step as usize]
+    }
+
+    pub fn step_captures(&self, step: u32) -> &[Capture] {
+        let s = step as usize;
+        &self.captures[self.capture_start[s] as usize..self.capture_start[s + 1] as usize]
+    }
+}
+
+/// The engine's exec_info for `inputs=` (GraphTask::init_to_execute): which nodes are
+/// needed (have a path to an output) and which inputs are captured.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExecInfo {
+    pub needed: Vec<bool>,
+    /// Per node, (input_nr, output_idx) captures.
+    pub captures: Vec<Vec<Capture>>,
+}
+
+impl ExecInfo {
+    fn should_execute(&self, node: u32) -> bool {
+        self.needed[node as usize] || !self.captures[node as usize].is_empty()
+    }
+
+    /// init_to_execute over `graph.outputs`: with accumulate_grad (backward(inputs=)) the
+    /// output nodes are needed; otherwise (autograd.grad) their inputs are captured. A node
+    /// is needed when one of its next nodes should execute.
+    pub fn new(graph: &Graph, accumulate_grad: bool) -> Self {
+        let n = graph.len();
+        let mut info = ExecInfo {
+            needed: vec![false; n],
+            captures: vec![Vec::new(); n],
+        };
+        let mut queue: Vec<u32> = Vec::new();
+        for (i, out) in graph.outputs.iter().enumerate() {
+            if !out.is_valid() {
+                continue;
+            }
+            if accumulate_grad {
+                info.needed[out.node as usize] = true;
+            } else {
+                info.captures[out.node as usize].push(Capture {
+                    input_nr: out.input_nr,
+                    output_idx: i as u32,
+                });
+            }
+            queue.push(out.node);
+        }
+        // Reverse edges, to walk from the outputs to the nodes that lead to them.
+        let mut parent_start = vec![0u32; n + 1];
+        for e in graph.edges.iter().filter(|e| e.is_valid()) {
+            parent_start[e.node as usize + 1] += 1;
+        }
+        for i in 0..n {
+            parent_start[i + 1] += parent_start[i];
+        }
+        let mut fill = parent_start.clone();
+        let mut parents = vec![0u32; parent_start[n] as usize];
+        for node in 0..n as u32 {
+            for e in graph.next_edges(node).iter().filter(|e| e.is_valid()) {
+                parents[fill[e.node as usize] as usize] = node;
+                fill[e.node as usize] += 1;
+            }
+        }
+        let mut queued = vec![false; n];
+        for &q in &queue {
+            queued[q as usize] = true;
+        }
+        while let Some(node) = queue.pop() {
+            let range = parent_start[node as usize] as usize..parent_start[node as usize + 1] as usize;
+            for &p in &parents[range] {
+                info.needed[p as usize] = true;
+                if !queued[p as usize] {
+                    queued[p as usize] = true;
+                    queue.push(p);
+                }
+            }
+        }
+        info
     }
 }
 
@@ -143,10 +235,12 @@ impl StdPriorityQueue {
     }
 }
 
-/// Simulates the engine on `graph` from its roots: a virtual GraphRoot feeds the root
-/// edges (Engine::execute uses the single root directly, which runs identically).
-pub fn schedule(graph: &Graph) -> Schedule {
+/// Simulates the engine on `graph` from its roots (Engine::execute, evaluate_function).
+/// Several roots hang off a GraphRoot node; a single root is queued directly, whatever
+/// exec_info says (the engine skips the dummy root then).
+pub fn schedule(graph: &Graph, exec: Option<&ExecInfo>) -> Schedule {
     let n = graph.len();
+    let should_execute = |node: u32| exec.is_none_or(|e| e.should_execute(node));
     // compute_dependencies: one count per valid edge into a node, root edges included.
     let mut dependencies = vec![0u32; n];
     for e in graph.roots.iter().chain(graph.edges.iter()) {
@@ -156,38 +250,59 @@ pub fn schedule(graph: &Graph) -> Schedule {
     }
 
     let mut steps: Vec<u32> = Vec::with_capacity(n);
+    let mut needed: Vec<bool> = Vec::with_capacity(n);
     let mut step_of = vec![NO_STEP; n];
     // (target node, input_nr, source) in arrival order.
     let mut arrivals: Vec<(u32, u32, Source)> = Vec::with_capacity(graph.edges.len() + graph.roots.len());
-
     let mut ready = StdPriorityQueue::default();
+
+    // evaluate_function's loop over outputs: every edge counts down its target; only
+    // targets that should execute get a buffer and are queued when ready.
     let mut deliver = |edges: &[Edge],
-                       from: Option<u32>,
+                       from: Source,
                        ready: &mut StdPriorityQueue,
-                       arrivals: &mut Vec<(u32, u32, Source)>| {
+                       arrivals: &mut Vec<(u32, u32, Source)>,
+                       single_root: bool| {
         for (i, e) in edges.iter().enumerate() {
             if !e.is_valid() {
                 continue;
             }
-            let source = match from {
-                Some(step) => Source::output(step, i as u32),
-                None => Source::root(i as u32),
+            let source = Source {
+                step: from.step,
+                index: i as u32,
             };
-            arrivals.push((e.node, e.input_nr, source));
             let d = &mut dependencies[e.node as usize];
             *d -= 1;
-            if *d == 0 {
-                ready.push(graph.nodes[e.node as usize].sequence_nr, e.node);
+            if single_root || should_execute(e.node) {
+                arrivals.push((e.node, e.input_nr, source));
+                if *d == 0 {
+                    ready.push(graph.nodes[e.node as usize].sequence_nr, e.node);
+                }
             }
         }
     };
 
-    deliver(&graph.roots, None, &mut ready, &mut arrivals);
+    if graph.roots.len() == 1 {
+        deliver(&graph.roots, Source::root(0), &mut ready, &mut arrivals, true);
+    } else if exec.is_none() || graph.roots.iter().any(|r| r.is_valid() && should_execute(r.node)) {
+        // GraphRoot runs only if needed, like any node.
+        deliver(&graph.roots, Source::root(0), &mut ready, &mut arrivals, false);
+    }
     while let Some(node) = ready.pop() {
         let step = steps.len() as u32;
         steps.push(node);
         step_of[node as usize] = step;
-        deliver(graph.next_edges(node), Some(step), &mut ready, &mut arrivals);
+        let runs = exec.is_none_or(|e| e.needed[node as usize]);
+        needed.push(runs);
+        if runs {
+            deliver(
+                graph.next_edges(node),
+                Source::output(step, 0),
+                &mut ready,
+                &mut arrivals,
+                false,
+            );
+        }
     }
 
     // Group arrivals into per-step, per-input slots, keeping arrival order within a slot.
@@ -198,22 +313,21 @@ pub fn schedule(graph: &Graph) -> Schedule {
         slot_start.push(last + graph.nodes[node as usize].num_inputs);
     }
     let num_slots = *slot_start.last().unwrap_or(&0) as usize;
-    let mut counts = vec![0u32; num_slots + 1];
     let slot_of = |node: u32, input_nr: u32| -> Option<usize> {
         let step = step_of[node as usize];
         (step != NO_STEP && input_nr < graph.nodes[node as usize].num_inputs)
             .then(|| (slot_start[step as usize] + input_nr) as usize)
     };
+    let mut source_start = vec![0u32; num_slots + 1];
     for &(node, input_nr, _) in &arrivals {
         if let Some(k) = slot_of(node, input_nr) {
-            counts[k + 1] += 1;
+            source_start[k + 1] += 1;
         }
     }
     for k in 0..num_slots {
-        counts[k + 1] += counts[k];
+        source_start[k + 1] += source_start[k];
     }
-    let source_start = counts.clone();
-    let mut fill = counts;
+    let mut fill = source_start.clone();
     let mut sources = vec![Source::root(0); *source_start.last().unwrap_or(&0) as usize];
     for &(node, input_nr, source) in &arrivals {
         if let Some(k) = slot_of(node, input_nr) {
@@ -221,12 +335,25 @@ pub fn schedule(graph: &Graph) -> Schedule {
             fill[k] += 1;
         }
     }
+
+    let mut capture_start = Vec::with_capacity(steps.len() + 1);
+    let mut captures = Vec::new();
+    capture_start.push(0u32);
+    for &node in &steps {
+        if let Some(e) = exec {
+            captures.extend_from_slice(&e.captures[node as usize]);
+        }
+        capture_start.push(captures.len() as u32);
+    }
     Schedule {
         steps,
         step_of,
+        needed,
         slot_start,
         source_start,
         sources,
+        capture_start,
+        captures,
     }
 }
 
@@ -269,7 +396,7 @@ mod tests {
             vec![vec![e(1, 0)], vec![e(2, 0)], vec![e(3, 0)], vec![]],
             vec![e(0, 0)],
         );
-        let s = schedule(&g);
+        let s = schedule(&g, None);
         assert_eq!(s.steps, vec![0, 1, 2, 3]);
         assert_eq!(s.slot_sources(0, 0), &[Source::root(0)]);
         assert_eq!(s.slot_sources(3, 0), &[Source::output(2, 0)]);
@@ -289,7 +416,7 @@ mod tests {
             ],
             vec![e(0, 0)],
         );
-        let s = schedule(&g);
+        let s = schedule(&g, None);
         // cos (seq 7) before sin (seq 5); h only after both.
         assert_eq!(s.steps, vec![0, 2, 1, 3, 4]);
         let h = s.step_of[3];
@@ -314,7 +441,7 @@ mod tests {
             ],
             vec![e(0, 0)],
         );
-        let s = schedule(&g);
+        let s = schedule(&g, None);
         let m = s.step_of[3];
         // node 2 (seq 6) runs first and feeds input 1; node 1 feeds input 0.
         assert_eq!(s.slot_sources(m, 0), &[Source::output(s.step_of[1], 0)]);
@@ -344,7 +471,7 @@ mod tests {
             ],
             vec![e(0, 0)],
         );
-        let s = schedule(&g);
+        let s = schedule(&g, None);
         assert_eq!(s.steps, vec![0, 1, 3, 4, 2, 5]);
     }
 
@@ -356,7 +483,7 @@ mod tests {
             vec![vec![e(2, 0)], vec![e(2, 0)], vec![]],
             vec![e(0, 0), e(1, 0), e(0, 0)],
         );
-        let s = schedule(&g);
+        let s = schedule(&g, None);
         assert_eq!(s.steps, vec![1, 0, 2]);
         assert_eq!(
             s.slot_sources(s.step_of[0], 0),
@@ -376,7 +503,7 @@ mod tests {
             vec![vec![e(2, 0)], vec![e(0, 0)], vec![]],
             vec![e(0, 0), e(1, 0)],
         );
-        let s = schedule(&g);
+        let s = schedule(&g, None);
         assert_eq!(s.steps, vec![1, 0, 2]);
         assert_eq!(s.slot_sources(1, 0), &[Source::root(0), Source::output(0, 0)]);
     }
@@ -388,7 +515,7 @@ mod tests {
             vec![vec![Edge::INVALID, e(1, 0)], vec![]],
             vec![e(0, 0)],
         );
-        let s = schedule(&g);
+        let s = schedule(&g, None);
         assert_eq!(s.steps, vec![0, 1]);
         assert_eq!(s.slot_sources(1, 0), &[Source::output(0, 1)]);
     }

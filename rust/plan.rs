@@ -8,7 +8,7 @@ use crate::errors::{ErrorKind, ShimError};
 use crate::ffi::{self, HookKind, NodeRef};
 use crate::graph::{snapshot, Snapshot};
 use crate::layout::{layout, HookRef, Layout, StepMode};
-use crate::order::{schedule, Schedule};
+use crate::order::{schedule, ExecInfo, Schedule};
 
 pub struct Plan {
     pub snapshot: Snapshot,
@@ -26,10 +26,23 @@ pub enum Deferred {
 }
 
 impl Plan {
-    /// Plans the backward from root edges (the gradient edges of the root tensors).
+    /// Plans the backward from root edges (the gradient edges of the root tensors), over
+    /// the whole graph (`.backward()`).
     pub fn build(roots: &[(NodeRef, u32)]) -> Result<Plan, ShimError> {
-        let snapshot = snapshot(roots)?;
-        let schedule = schedule(&snapshot.graph);
+        Plan::build_for(roots, None, true)
+    }
+
+    /// Plans a backward with respect to `outputs` (the edges of `inputs=`, None for an
+    /// input without a node), accumulating into them (`backward(inputs=)`) or capturing
+    /// their gradients (`autograd.grad`).
+    pub fn build_for(
+        roots: &[(NodeRef, u32)],
+        outputs: Option<&[Option<(NodeRef, u32)>]>,
+        accumulate_grad: bool,
+    ) -> Result<Plan, ShimError> {
+        let snapshot = snapshot(roots, outputs.unwrap_or(&[]))?;
+        let exec = outputs.map(|_| ExecInfo::new(&snapshot.graph, accumulate_grad));
+        let schedule = schedule(&snapshot.graph, exec.as_ref());
         let layout = layout(&snapshot, &schedule)?;
         Ok(Plan {
             snapshot,

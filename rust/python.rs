@@ -67,6 +67,7 @@ fn mode_name(mode: StepMode) -> &'static str {
         StepMode::Opaque => "opaque",
         StepMode::DeferredAccumulate => "deferred_accumulate",
         StepMode::EagerAccumulate => "eager_accumulate",
+        StepMode::Skipped => "skipped",
     }
 }
 
@@ -108,6 +109,12 @@ impl PyPlan {
         self.plan.snapshot.graph.roots.len()
     }
 
+    /// How many gradients the replay captures (autograd.grad's results).
+    #[getter]
+    fn num_captures(&self) -> usize {
+        self.plan.snapshot.graph.outputs.len()
+    }
+
     /// Node names in execution order.
     fn order(&self) -> Vec<String> {
         let g = &self.plan.snapshot.graph;
@@ -131,9 +138,10 @@ impl PyPlan {
     }
 
     /// Per step: (name, kind, mode, sequence_nr, num_inputs, num_outputs, saved_start,
-    /// saved_end, slots, outputs, hooks). slots[i] lists (step, index) sources of input i
-    /// (step -1: root gradient `index`); outputs[j] is (target step or -1, input_nr);
-    /// hooks are (kind, index, python, value_idx or -1).
+    /// saved_end, slots, outputs, hooks, captures). slots[i] lists (step, index) sources of
+    /// input i (step -1: root gradient `index`); outputs[j] is (target step or -1,
+    /// input_nr); hooks are (kind, index, python, value_idx or -1); captures are
+    /// (input_nr, result index).
     fn steps<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let plan = &self.plan;
         let g = &plan.snapshot.graph;
@@ -186,6 +194,11 @@ impl PyPlan {
                 slots,
                 outputs,
                 hooks,
+                plan.schedule
+                    .step_captures(s as u32)
+                    .iter()
+                    .map(|c| (c.input_nr, c.output_idx))
+                    .collect::<Vec<_>>(),
             );
             out.push(item.into_pyobject(py)?);
         }
@@ -323,16 +336,46 @@ impl PyPlan {
     }
 }
 
-/// Plans the backward of `roots` (tensors): walks the graph, orders it as the engine would
-/// and lays out its saved values.
+/// A root or input given as a GradientEdge `(node, output_nr)` rather than a tensor.
+fn gradient_edge_of(item: &Bound<'_, PyAny>) -> PyResult<Option<(NodeRef, u32)>> {
+    let (node, output_nr): (Bound<'_, PyAny>, u32) = item.extract()?;
+    // SAFETY: live object, GIL held.
+    match unsafe { NodeRef::from_pyobject(node.as_ptr()) }? {
+        Some(n) => Ok(Some((n, output_nr))),
+        None => Err(PyTypeError::new_err(format!(
+            "GradientEdge first object must be an autograd.graph.Node but got {}",
+            node.get_type().name()?
+        ))),
+    }
+}
+
+fn is_tensor(item: &Bound<'_, PyAny>) -> bool {
+    // SAFETY: live object, GIL held.
+    unsafe { tch::python::pyobject_check(item.as_ptr() as *mut _) }.unwrap_or(false)
+}
+
+/// Plans the backward of `roots` (tensors or GradientEdges): walks the graph, orders it as
+/// the engine would and lays out its saved values. With `inputs` (tensors or
+/// GradientEdges), plans a backward with respect to them: accumulating into them
+/// (`backward(inputs=)`) or capturing their gradients (`autograd.grad`).
 #[pyfunction]
-fn plan(roots: &Bound<'_, PyAny>) -> PyResult<PyPlan> {
+#[pyo3(signature = (roots, inputs=None, accumulate_grad=true))]
+fn plan(
+    roots: &Bound<'_, PyAny>,
+    inputs: Option<&Bound<'_, PyAny>>,
+    accumulate_grad: bool,
+) -> PyResult<PyPlan> {
     let mut edges = Vec::new();
     for (i, item) in roots.try_iter()?.enumerate() {
         let item = item?;
-        let tensor = to_tensor(&item, "tensors")?
-            .ok_or_else(|| PyTypeError::new_err("tensors must not contain None"))?;
-        match NodeRef::gradient_edge(&tensor)? {
+        let edge = if is_tensor(&item) {
+            let tensor = to_tensor(&item, "tensors")?
+                .ok_or_else(|| PyTypeError::new_err("tensors must not contain None"))?;
+            NodeRef::gradient_edge(&tensor)?
+        } else {
+            gradient_edge_of(&item)?
+        };
+        match edge {
             Some(edge) => edges.push(edge),
             None => {
                 return Err(PyRuntimeError::new_err(format!(
@@ -341,8 +384,25 @@ fn plan(roots: &Bound<'_, PyAny>) -> PyResult<PyPlan> {
             }
         }
     }
+    let outputs = match inputs {
+        None => None,
+        Some(inputs) => {
+            let mut outputs = Vec::new();
+            for item in inputs.try_iter()? {
+                let item = item?;
+                outputs.push(if is_tensor(&item) {
+                    let tensor = to_tensor(&item, "inputs")?
+                        .ok_or_else(|| PyTypeError::new_err("inputs must not contain None"))?;
+                    NodeRef::input_edge(&tensor)?
+                } else {
+                    gradient_edge_of(&item)?
+                });
+            }
+            Some(outputs)
+        }
+    };
     Ok(PyPlan {
-        plan: Plan::build(&edges)?,
+        plan: Plan::build_for(&edges, outputs.as_deref(), accumulate_grad)?,
     })
 }
 

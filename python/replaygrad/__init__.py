@@ -6,7 +6,7 @@ generated Python function with saved values as inputs, and compiled with torch.c
 
 import torch  # noqa: F401  (loads libtorch before the native module)
 
-from ._api import Plan, backward, enable, plan
+from ._api import Plan, backward, enable, grad, plan
 from ._compile import Compiler
 
-__all__ = ["Compiler", "Plan", "backward", "enable", "plan"]
+__all__ = ["Compiler", "Plan", "backward", "enable", "grad", "plan"]

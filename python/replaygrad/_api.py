@@ -1,4 +1,4 @@
-"""The public API: backward, plan, enable."""
+"""The public API: backward, grad, enable, plan."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def backward(
         retain_graph: keep the graph's saved values for another backward; defaults to
             ``create_graph``.
         create_graph: build a graph of the gradients (runs the eager engine).
-        inputs: not supported yet (raises NotImplementedError).
+        inputs: accumulate only into these tensors (or GradientEdges), as in torch.
         compiler: a torch.compile backend name (e.g. ``"inductor"``, ``"aot_eager"``), a
             callable that compiles a function (e.g. ``torch.compile(fullgraph=True)``), or
             ``None`` to run the replay uncompiled.
@@ -50,10 +50,38 @@ def backward(
         )
 
 
+def grad(
+    outputs: TensorOrTensors,
+    inputs: TensorOrTensors,
+    grad_outputs: TensorOrTensors | Sequence[torch.Tensor | None] | None = None,
+    *,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    allow_unused: bool | None = None,
+    materialize_grads: bool = False,
+    compiler: Compiler = "inductor",
+) -> tuple[torch.Tensor | None, ...]:
+    """Computes and returns the gradients of ``outputs`` w.r.t. ``inputs``, like
+    :func:`torch.autograd.grad` (no ``.grad`` is written), by replaying the backward graph
+    compiled with ``compiler`` (see :func:`backward`)."""
+    check_compiler(compiler)
+    with routed(Config(compiler)):
+        return torch.autograd.grad(
+            outputs,
+            inputs,
+            grad_outputs,
+            retain_graph=retain_graph,
+            create_graph=create_graph,
+            allow_unused=allow_unused,
+            materialize_grads=materialize_grads,
+        )
+
+
 @contextmanager
 def enable(compiler: Compiler = "inductor") -> Iterator[None]:
     """Routes every backward on this thread (``loss.backward()``,
-    ``torch.autograd.backward``) through replaygrad while the block runs.
+    ``torch.autograd.backward``, ``torch.autograd.grad``) through replaygrad while the block
+    runs.
 
     Nested blocks use the innermost compiler; the prior state is restored on exit, also when
     the block raises.

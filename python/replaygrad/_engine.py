@@ -84,11 +84,11 @@ def _run_backward(
     grad_tensors: Sequence[torch.Tensor | None],
     keep_graph: bool,
     create_graph: bool,
-    inputs: Sequence[Any] = (),
+    inputs: Sequence[Any] | None = None,
     allow_unreachable: bool = False,
     accumulate_grad: bool = True,
     **kwargs: Any,
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor | None, ...] | None:
     args = (
         t_outputs,
         grad_tensors,
@@ -105,24 +105,34 @@ def _run_backward(
         return _eager_run_backward(*args, **kwargs)
     if create_graph:
         return _eager("create_graph=True (higher-order gradients)", args, kwargs)
-    if not accumulate_grad or inputs:
-        raise NotImplementedError(
-            "replaygrad does not support torch.autograd.grad or backward(inputs=...) yet "
-            "(the engine's exec_info pruning and gradient capture are not implemented)"
-        )
-    if any(not isinstance(t, torch.Tensor) for t in t_outputs):
-        raise NotImplementedError("replaygrad does not support GradientEdge roots yet")
-    return _replay_backward(config, t_outputs, grad_tensors, keep_graph)
+    if torch._C._are_functorch_transforms_active():
+        return _eager("a functorch transform (vmap/grad) is active", args, kwargs)
+    return _replay_backward(
+        config, t_outputs, grad_tensors, keep_graph, inputs, allow_unreachable, accumulate_grad
+    )
 
 
-def _replay_backward(
-    config: Config,
-    roots: Sequence[torch.Tensor],
-    grad_tensors: Sequence[torch.Tensor | None],
-    keep_graph: bool,
-) -> tuple[torch.Tensor, ...]:
-    # THPEngine_run_backward's checks, in its order.
+def _is_gradient_edge(obj: Any) -> bool:
+    return isinstance(obj, torch.autograd.graph.GradientEdge)
+
+
+def _check_roots(roots: Sequence[Any], grad_tensors: Sequence[Any]) -> None:
+    """THPEngine_run_backward's checks of the roots, in its order."""
+    if len(roots) != len(grad_tensors):
+        raise RuntimeError(f"got {len(roots)} tensors and {len(grad_tensors)} gradients")
     for i, (root, grad) in enumerate(zip(roots, grad_tensors)):
+        if _is_gradient_edge(root):
+            if grad is None:
+                raise RuntimeError(
+                    f"element {i} of gradients tuple is None, but the corresponding "
+                    "GradientEdge requires a gradient"
+                )
+            continue
+        if not isinstance(root, torch.Tensor):
+            raise TypeError(
+                f"element {i} of tensors must be a Tensor or GradientEdge, "
+                f"got {type(root).__name__}"
+            )
         if not root.requires_grad:
             raise RuntimeError(
                 f"element {i} of tensors does not require grad and does not have a grad_fn"
@@ -134,7 +144,39 @@ def _replay_backward(
             )
         if not isinstance(grad, torch.Tensor):
             raise RuntimeError(f"element {i} of gradients tuple is not a Tensor or None")
-    plan = _core.plan(roots)
+
+
+def _check_inputs(inputs: Sequence[Any], accumulate_grad: bool) -> None:
+    """THPEngine_run_backward's handling of `inputs`: backward(inputs=) retains the grad of
+    non-leaf inputs (that is how their .grad gets filled)."""
+    for obj in inputs:
+        if _is_gradient_edge(obj):
+            continue
+        if not isinstance(obj, torch.Tensor):
+            raise RuntimeError(
+                f"all inputs have to be Tensors or GradientEdges, but got {type(obj).__name__}"
+            )
+        if accumulate_grad:
+            obj.retain_grad()
+        if not obj.requires_grad:
+            raise RuntimeError("One of the differentiated Tensors does not require grad")
+
+
+def _replay_backward(
+    config: Config,
+    roots: Sequence[Any],
+    grad_tensors: Sequence[torch.Tensor | None],
+    keep_graph: bool,
+    inputs: Sequence[Any] | None,
+    allow_unreachable: bool,
+    accumulate_grad: bool,
+) -> tuple[torch.Tensor | None, ...] | None:
+    _check_roots(roots, grad_tensors)
+    if inputs:
+        _check_inputs(inputs, accumulate_grad)
+    elif not accumulate_grad:
+        raise ValueError("grad requires non-empty inputs.")
+    plan = _core.plan(roots, inputs if inputs else None, accumulate_grad)
     grads = plan.validate_root_grads(grad_tensors)
     entry = cache.get(plan, config.compiler)
     saved = plan.saved_values()
@@ -142,7 +184,7 @@ def _replay_backward(
     _tls.replaying = True
     try:
         with running(plan), torch.no_grad():
-            returned = entry.compiled(grads, saved, hooks)
+            returned, captured = entry.compiled(grads, saved, hooks)
         del saved
         # run_deferred empties the list: a gradient held by nothing else can then be stolen
         # by AccumulateGrad rather than copied, as in the engine.
@@ -154,4 +196,11 @@ def _replay_backward(
     entry.calls += 1
     if not keep_graph:
         plan.release_variables()
-    return ()
+    if accumulate_grad or not inputs:
+        return ()
+    if not allow_unreachable and any(c is None for c in captured):
+        raise RuntimeError(
+            "One of the differentiated Tensors appears to not have been used in the graph. "
+            "Set allow_unused=True if this is the desired behavior."
+        )
+    return tuple(captured)

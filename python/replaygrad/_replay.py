@@ -200,17 +200,21 @@ _RUNTIME = {
 
 
 def generate_source(plan: _core.Plan) -> str:
-    """Straight-line source for ``replay(grads, saved, hooks) -> deferred``."""
+    """Straight-line source for ``replay(grads, saved, hooks) -> (deferred, captured)``."""
     steps = plan.steps()
     deferred = {(step, pos) for step, _kind, pos in plan.deferred()}
     last_use = _last_uses(steps)
 
     out = ["def replay(grads, saved, hooks):", "    deferred = []"]
+    out.append(f"    captured = [None] * {plan.num_captures}")
     python_hook = 0
     for s, step in enumerate(steps):
-        name, _kind, mode, seq, _inputs, _outputs, a, b, slots, _targets, hooks = step
+        name, _kind, mode, seq, _inputs, _outputs, a, b, slots, _targets, hooks, captures = step
         out.append(f"    # step {s}: {name} (sequence_nr {seq}, {mode})")
         out.append(f"    i = [{', '.join(_slot_expr(srcs) for srcs in slots)}]")
+        if mode != "skipped":
+            # evaluate_function captures a needed node's inputs as they arrived.
+            out.extend(f"    captured[{k}] = i[{j}]" for j, k in captures)
         # engine.cpp call_function: tensor pre-hooks and retains_grad hooks, pre-hooks,
         # apply (with validate_outputs), post-hooks.
         post = []
@@ -232,12 +236,14 @@ def generate_source(plan: _core.Plan) -> str:
                 out.append(f"    i = cpp_pre_hook({s}, {pos}, i)")
         if mode == "traced":
             out.append(f"    o{s} = apply_traced({s}, i, saved[{a}:{b}])")
-        elif mode == "opaque" or mode == "eager_accumulate":
+        elif mode in ("opaque", "eager_accumulate"):
             out.append(f"    o{s} = apply_opaque({s}, i)")
         elif mode == "deferred_accumulate":
             assert (s, -1) in deferred
             out.append("    deferred.append(i[0])")
-            out.append(f"    o{s} = ()")
+        elif mode == "skipped":
+            # Not needed: popped only to run its tensor pre-hooks and take its captures.
+            out.extend(f"    captured[{k}] = i[{j}]" for j, k in captures)
         else:
             raise AssertionError(f"unknown step mode {mode!r}")
         for pos, python, h in post:
@@ -246,11 +252,15 @@ def generate_source(plan: _core.Plan) -> str:
             else:
                 out.append(f"    o{s} = cpp_post_hook({s}, {pos}, o{s}, i)")
         # Drop gradients once their last consumer ran, as the engine's buffers do.
-        dead = [f"o{p}" for p, last in last_use.items() if last == s]
+        dead = [f"o{p}" for p, last in last_use.items() if last == s and _has_outputs(steps[p])]
         if dead:
             out.append(f"    del {', '.join(dead)}")
-    out.append("    return deferred")
+    out.append("    return deferred, captured")
     return "\n".join(out) + "\n"
+
+
+def _has_outputs(step: tuple) -> bool:
+    return step[2] in ("traced", "opaque", "eager_accumulate")
 
 
 def _slot_expr(sources: list[tuple[int, int]]) -> str:
