@@ -7,10 +7,15 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/input_buffer.h>
+#include <torch/csrc/autograd/utils/warnings.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_function.h>
 #include <torch/csrc/autograd/python_hook.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/dynamo/compiled_autograd.h>
@@ -164,6 +169,24 @@ SavedVariableMap& saved_variable_map(TensorArgs& args) {
   return args.*get(TensorArgsSavedVariables());
 }
 
+// The engine replays a GraphTask's delayed warnings with a method libtorch does not export;
+// these read its queue (and the grad mode a GraphTask runs with) the same way.
+struct DelayedWarnings {
+  using type = std::vector<c10::Warning> torch::autograd::utils::DelayWarningHandler::*;
+  friend type get(DelayedWarnings);
+};
+template struct PrivateAccess<DelayedWarnings, &torch::autograd::utils::DelayWarningHandler::warnings_>;
+struct DelayedWarningsMutex {
+  using type = std::mutex torch::autograd::utils::DelayWarningHandler::*;
+  friend type get(DelayedWarningsMutex);
+};
+template struct PrivateAccess<DelayedWarningsMutex, &torch::autograd::utils::DelayWarningHandler::mutex_>;
+struct ThreadLocalAutograd {
+  using type = c10::AutogradState at::ThreadLocalState::*;
+  friend type get(ThreadLocalAutograd);
+};
+template struct PrivateAccess<ThreadLocalAutograd, &at::ThreadLocalState::autograd_tls_>;
+
 // Builds a SavedVariable from `t` the way SwapSavedVariables::before does: with the user's
 // default saved-tensor hooks off, so no pack hook runs for our replacement.
 SavedVariable make_saved(const at::Tensor& t) {
@@ -205,6 +228,131 @@ class SavedSwap {
   std::vector<SavedVariable> stash_;
   std::vector<SavedVariable*> targets_;
 };
+
+// ---- the engine hook ----------------------------------------------------------------------
+
+using torch::autograd::GraphRoot;
+using torch::autograd::GraphTask;
+
+PyObject* engine_callback = nullptr; // strong reference, set while the hook is installed
+thread_local bool engine_enabled = false;
+thread_local bool in_callback = false;
+constexpr const char* kCallCapsule = "replaygrad.engine_call";
+constexpr const char* kExpiredCapsule = "replaygrad.engine_call (expired)";
+
+struct EngineCall {
+  const GraphRoot* graph_root;
+  const GraphTask* graph_task;
+  bool accumulate_grad;
+  const edge_list* outputs;
+};
+
+// DelayWarningHandler::replay_warnings, which Engine::execute calls after a run.
+void replay_delayed_warnings(GraphTask& task) {
+  auto& handler = task.warning_handler_;
+  std::lock_guard<std::mutex> lock(handler.*get(DelayedWarningsMutex()));
+  for (const auto& warning : handler.*get(DelayedWarnings())) {
+    c10::warn(warning);
+  }
+}
+
+// What Engine::execute does after init_to_execute when no compiled autograd is installed
+// (with a GraphRoot: the engine always makes one while a hook is installed).
+variable_list run_engine(const c10::intrusive_ptr<Node>& graph_root, const GraphTask& graph_task) {
+  auto task = const_cast<GraphTask&>(graph_task).shared_from_this();
+  auto future = torch::autograd::Engine::get_default_engine().execute_with_graph_task(
+      task, graph_root, torch::autograd::InputBuffer(variable_list()));
+  future->wait();
+  replay_delayed_warnings(*task);
+  return future->value().toTensorVector();
+}
+
+// GraphTask::exec_post_processing's final callbacks (callbacks may queue more).
+void run_final_callbacks(const GraphTask& graph_task) {
+  auto& task = const_cast<GraphTask&>(graph_task);
+  std::unique_lock<std::mutex> lock(task.final_callbacks_lock_);
+  for (size_t i = 0; i < task.final_callbacks_.size(); ++i) {
+    lock.unlock();
+    task.final_callbacks_[i]();
+    lock.lock();
+  }
+}
+
+variable_list from_python_results(PyObject* results) {
+  THPObjectPtr seq(PySequence_Fast(results, "the replaygrad engine callback must return a sequence"));
+  if (!seq) {
+    throw python_error();
+  }
+  variable_list out;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.get());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PySequence_Fast_GET_ITEM(seq.get(), i);
+    if (item == Py_None) {
+      out.emplace_back();
+    } else if (THPVariable_Check(item)) {
+      out.push_back(THPVariable_Unpack(item));
+    } else {
+      PyErr_SetString(PyExc_TypeError, "the replaygrad engine callback returned a non-Tensor");
+      throw python_error();
+    }
+  }
+  return out;
+}
+
+// Engine::compiled_autograd_fn. Runs with the GraphTask current (GraphTaskGuard) and the
+// GIL released.
+variable_list engine_hook(
+    const c10::intrusive_ptr<Node>& graph_root,
+    const GraphTask& graph_task,
+    bool accumulate_grad,
+    const edge_list& outputs) {
+  auto* root = dynamic_cast<const GraphRoot*>(graph_root.get());
+  if (!engine_enabled || in_callback || !root) {
+    return run_engine(graph_root, graph_task);
+  }
+  EngineCall call{root, &graph_task, accumulate_grad, &outputs};
+  std::optional<variable_list> results;
+  {
+    pybind11::gil_scoped_acquire gil;
+    PyObject* callback = engine_callback;
+    if (!callback) {
+      return run_engine(graph_root, graph_task);
+    }
+    THPObjectPtr capsule(PyCapsule_New(&call, kCallCapsule, nullptr));
+    if (!capsule) {
+      throw python_error();
+    }
+    Py_INCREF(callback);
+    THPObjectPtr owned_callback(callback);
+    in_callback = true;
+    THPObjectPtr returned(PyObject_CallOneArg(callback, capsule.get()));
+    in_callback = false;
+    // The capsule points at this frame: make any copy Python kept unusable.
+    PyCapsule_SetName(capsule.get(), kExpiredCapsule);
+    if (!returned) {
+      python_error error;
+      error.persist();
+      throw error;
+    }
+    if (returned.get() != Py_None) {
+      results = from_python_results(returned.get());
+    }
+  }
+  if (!results) {
+    return run_engine(graph_root, graph_task);
+  }
+  run_final_callbacks(graph_task);
+  return std::move(*results);
+}
+
+const EngineCall& engine_call(PyObject* capsule) {
+  void* ptr = PyCapsule_GetPointer(capsule, kCallCapsule);
+  if (!ptr) {
+    PyErr_Clear();
+    TORCH_CHECK(false, "replaygrad: engine call used outside of its callback");
+  }
+  return *static_cast<const EngineCall*>(ptr);
+}
 
 } // namespace
 
@@ -628,6 +776,69 @@ rg_status rg_validate_root_grads(rg_node* const* nodes, const uint32_t* input_nr
 rg_status rg_node_release_variables(rg_node* n) {
   RG_TRY
   as_node(n)->release_variables();
+  RG_CATCH
+}
+
+rg_status rg_engine_hook_install(PyObject* callback) {
+  RG_TRY
+  Py_XINCREF(callback);
+  Py_XDECREF(engine_callback);
+  engine_callback = callback;
+  torch::autograd::Engine::set_compiled_autograd(&engine_hook);
+  RG_CATCH
+}
+
+rg_status rg_engine_hook_uninstall(void) {
+  RG_TRY
+  torch::autograd::Engine::set_compiled_autograd(nullptr);
+  Py_XDECREF(engine_callback);
+  engine_callback = nullptr;
+  RG_CATCH
+}
+
+void rg_engine_set_enabled(int enabled) {
+  engine_enabled = enabled != 0;
+}
+
+int rg_engine_enabled(void) {
+  return engine_enabled ? 1 : 0;
+}
+
+rg_status rg_engine_call_info(PyObject* capsule, size_t* n_roots, size_t* n_outputs,
+                              int* accumulate_grad, int* keep_graph, int* create_graph) {
+  RG_TRY
+  const EngineCall& call = engine_call(capsule);
+  *n_roots = call.graph_root->next_edges().size();
+  *n_outputs = call.outputs->size();
+  *accumulate_grad = call.accumulate_grad ? 1 : 0;
+  *keep_graph = call.graph_task->keep_graph_ ? 1 : 0;
+  *create_graph = (call.graph_task->thread_locals_.*get(ThreadLocalAutograd())).get_grad_mode() ? 1 : 0;
+  RG_CATCH
+}
+
+rg_status rg_engine_call_roots(PyObject* capsule, rg_node** nodes, uint32_t* input_nrs,
+                               rg_tensor** grads) {
+  RG_TRY
+  const EngineCall& call = engine_call(capsule);
+  const edge_list& edges = call.graph_root->next_edges();
+  for (size_t i = 0; i < edges.size(); ++i) {
+    c10::intrusive_ptr<Node> fn = edges[i].function;
+    input_nrs[i] = edges[i].input_nr;
+    nodes[i] = fn ? as_rg(fn.release()) : nullptr;
+    grads[i] = i < call.graph_root->outputs.size() ? new_handle(call.graph_root->outputs[i]) : nullptr;
+  }
+  RG_CATCH
+}
+
+rg_status rg_engine_call_outputs(PyObject* capsule, rg_node** nodes, uint32_t* input_nrs) {
+  RG_TRY
+  const EngineCall& call = engine_call(capsule);
+  for (size_t i = 0; i < call.outputs->size(); ++i) {
+    const Edge& edge = (*call.outputs)[i];
+    c10::intrusive_ptr<Node> fn = edge.function;
+    input_nrs[i] = edge.input_nr;
+    nodes[i] = fn ? as_rg(fn.release()) : nullptr;
+  }
   RG_CATCH
 }
 

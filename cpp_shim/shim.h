@@ -29,6 +29,7 @@ typedef struct rg_node rg_node;
 typedef struct rg_tensor rg_tensor;
 typedef struct rg_sv rg_sv;
 typedef struct rg_collector rg_collector;
+typedef struct rg_engine_call rg_engine_call;
 
 typedef enum {
   RG_OK = 0,
@@ -152,6 +153,33 @@ rg_status rg_node_apply(rg_node* node, const rg_tensor* const* inputs, size_t n_
 rg_status rg_validate_root_grads(rg_node* const* nodes, const uint32_t* input_nrs, size_t n,
                                  const rg_tensor* const* grads, rg_tensor** out);
 rg_status rg_node_release_variables(rg_node* node);
+
+// ---- the engine hook -------------------------------------------------------------------
+// Engine::execute hands a backward call to the function installed with
+// Engine::set_compiled_autograd, after it has validated the root gradients, built the
+// GraphTask (dependencies, exec_info) and made it current. replaygrad installs one that,
+// on threads where it is enabled and outside a replay, calls a Python callable with the call
+// (a capsule named "replaygrad.engine_call", valid only during the callback). The callable
+// returns the captured gradients (a sequence of Tensor/None; empty for backward()), or None
+// to have the engine run the call itself. Everywhere else the hook runs the engine as
+// Engine::execute would. After the callback, the GraphTask's final callbacks run.
+
+// Installs the hook with `callback` (a new reference is kept). torch's own compiled autograd
+// uses the same slot: callers check that it is off first.
+rg_status rg_engine_hook_install(PyObject* callback);
+// Removes the hook (Engine::set_compiled_autograd(nullptr)) and drops the callback.
+rg_status rg_engine_hook_uninstall(void);
+// Whether backward calls on this thread go to the callback.
+void rg_engine_set_enabled(int enabled);
+int rg_engine_enabled(void);
+// The call's shape: root count, output (inputs=) count, and the GraphTask's flags.
+rg_status rg_engine_call_info(PyObject* capsule, size_t* n_roots, size_t* n_outputs,
+                              int* accumulate_grad, int* keep_graph, int* create_graph);
+// Root edges (new references) and the validated root gradients (new handles or null).
+rg_status rg_engine_call_roots(PyObject* capsule, rg_node** nodes, uint32_t* input_nrs,
+                               rg_tensor** grads);
+// Output edges (inputs=): new references, null for inputs without a node.
+rg_status rg_engine_call_outputs(PyObject* capsule, rg_node** nodes, uint32_t* input_nrs);
 
 #ifdef __cplusplus
 }

@@ -159,6 +159,26 @@ extern "C" {
         out: *mut *mut C_tensor,
     ) -> c_int;
     fn rg_node_release_variables(node: *mut RawNode) -> c_int;
+
+    fn rg_engine_hook_install(callback: PyObjectPtr) -> c_int;
+    fn rg_engine_hook_uninstall() -> c_int;
+    fn rg_engine_set_enabled(enabled: c_int);
+    fn rg_engine_enabled() -> c_int;
+    fn rg_engine_call_info(
+        capsule: PyObjectPtr,
+        n_roots: *mut usize,
+        n_outputs: *mut usize,
+        accumulate_grad: *mut c_int,
+        keep_graph: *mut c_int,
+        create_graph: *mut c_int,
+    ) -> c_int;
+    fn rg_engine_call_roots(
+        capsule: PyObjectPtr,
+        nodes: *mut *mut RawNode,
+        input_nrs: *mut u32,
+        grads: *mut *mut C_tensor,
+    ) -> c_int;
+    fn rg_engine_call_outputs(capsule: PyObjectPtr, nodes: *mut *mut RawNode, input_nrs: *mut u32) -> c_int;
 }
 
 /// Turns a shim status into a Result, fetching the thread's error on failure.
@@ -683,5 +703,102 @@ impl Drop for Collector {
     fn drop(&mut self) {
         // SAFETY: we own the collector.
         unsafe { rg_collector_free(self.0.as_ptr()) }
+    }
+}
+
+/// The engine hook: while installed, Engine::execute hands backward calls on threads where
+/// it is enabled to `callback` (see cpp_shim/shim.h).
+///
+/// # Safety
+/// `callback` must be a live Python object and the GIL held.
+pub unsafe fn engine_hook_install(callback: PyObjectPtr) -> Result<(), ShimError> {
+    check(rg_engine_hook_install(callback))
+}
+
+pub fn engine_hook_uninstall() -> Result<(), ShimError> {
+    // SAFETY: no arguments; drops the shim's callback reference (GIL held by the caller).
+    check(unsafe { rg_engine_hook_uninstall() })
+}
+
+/// Whether backward calls on the current thread go to the hook's callback.
+pub fn engine_set_enabled(enabled: bool) {
+    // SAFETY: sets a thread-local flag.
+    unsafe { rg_engine_set_enabled(c_int::from(enabled)) }
+}
+
+pub fn engine_enabled() -> bool {
+    // SAFETY: reads a thread-local flag.
+    unsafe { rg_engine_enabled() != 0 }
+}
+
+/// A backward call the engine handed to the hook's callback.
+pub struct EngineCall {
+    pub roots: Vec<(NodeRef, u32)>,
+    /// The root gradients after the engine's validate_outputs.
+    pub root_grads: Vec<Option<Tensor>>,
+    /// `inputs=` edges (None for an input without a node); None for a plain backward().
+    pub outputs: Option<Vec<Option<(NodeRef, u32)>>>,
+    pub accumulate_grad: bool,
+    pub keep_graph: bool,
+    pub create_graph: bool,
+}
+
+impl EngineCall {
+    /// Reads the call behind the capsule the hook passed to the callback.
+    ///
+    /// # Safety
+    /// `capsule` must be a live Python object and the GIL held.
+    pub unsafe fn read(capsule: PyObjectPtr) -> Result<EngineCall, ShimError> {
+        let (mut n_roots, mut n_outputs) = (0usize, 0usize);
+        let (mut accumulate_grad, mut keep_graph, mut create_graph) = (0, 0, 0);
+        check(rg_engine_call_info(
+            capsule,
+            &mut n_roots,
+            &mut n_outputs,
+            &mut accumulate_grad,
+            &mut keep_graph,
+            &mut create_graph,
+        ))?;
+        let mut nodes: Vec<*mut RawNode> = vec![ptr::null_mut(); n_roots];
+        let mut input_nrs = vec![0u32; n_roots];
+        let mut grads: Vec<*mut C_tensor> = vec![ptr::null_mut(); n_roots];
+        let status = rg_engine_call_roots(
+            capsule,
+            nodes.as_mut_ptr(),
+            input_nrs.as_mut_ptr(),
+            grads.as_mut_ptr(),
+        );
+        let root_nodes: Vec<Option<NodeRef>> = nodes.into_iter().map(NodeRef::from_new).collect();
+        let root_grads = take_tensors(grads);
+        check(status)?;
+        let mut roots = Vec::with_capacity(n_roots);
+        for (node, nr) in root_nodes.into_iter().zip(input_nrs) {
+            roots.push((
+                node.ok_or_else(|| ShimError::new(ErrorKind::Runtime, "a root edge has no node"))?,
+                nr,
+            ));
+        }
+        let outputs = if n_outputs == 0 {
+            None
+        } else {
+            let mut nodes: Vec<*mut RawNode> = vec![ptr::null_mut(); n_outputs];
+            let mut input_nrs = vec![0u32; n_outputs];
+            let status = rg_engine_call_outputs(capsule, nodes.as_mut_ptr(), input_nrs.as_mut_ptr());
+            let edges: Vec<Option<(NodeRef, u32)>> = nodes
+                .into_iter()
+                .zip(input_nrs)
+                .map(|(n, nr)| NodeRef::from_new(n).map(|n| (n, nr)))
+                .collect();
+            check(status)?;
+            Some(edges)
+        };
+        Ok(EngineCall {
+            roots,
+            root_grads,
+            outputs,
+            accumulate_grad: accumulate_grad != 0,
+            keep_graph: keep_graph != 0,
+            create_graph: create_graph != 0,
+        })
     }
 }

@@ -236,9 +236,10 @@ impl StdPriorityQueue {
 }
 
 /// Simulates the engine on `graph` from its roots (Engine::execute, evaluate_function).
-/// Several roots hang off a GraphRoot node; a single root is queued directly, whatever
-/// exec_info says (the engine skips the dummy root then).
-pub fn schedule(graph: &Graph, exec: Option<&ExecInfo>) -> Schedule {
+/// Roots hang off a GraphRoot node, which runs only if needed. Without a compiled-autograd
+/// hook installed (`graph_root` false) the engine skips that dummy node for a single root and
+/// queues the root directly, whatever exec_info says.
+pub fn schedule(graph: &Graph, exec: Option<&ExecInfo>, graph_root: bool) -> Schedule {
     let n = graph.len();
     let should_execute = |node: u32| exec.is_none_or(|e| e.should_execute(node));
     // compute_dependencies: one count per valid edge into a node, root edges included.
@@ -282,7 +283,7 @@ pub fn schedule(graph: &Graph, exec: Option<&ExecInfo>) -> Schedule {
         }
     };
 
-    if graph.roots.len() == 1 {
+    if graph.roots.len() == 1 && !graph_root {
         deliver(&graph.roots, Source::root(0), &mut ready, &mut arrivals, true);
     } else if exec.is_none() || graph.roots.iter().any(|r| r.is_valid() && should_execute(r.node)) {
         // GraphRoot runs only if needed, like any node.
@@ -396,7 +397,7 @@ mod tests {
             vec![vec![e(1, 0)], vec![e(2, 0)], vec![e(3, 0)], vec![]],
             vec![e(0, 0)],
         );
-        let s = schedule(&g, None);
+        let s = schedule(&g, None, false);
         assert_eq!(s.steps, vec![0, 1, 2, 3]);
         assert_eq!(s.slot_sources(0, 0), &[Source::root(0)]);
         assert_eq!(s.slot_sources(3, 0), &[Source::output(2, 0)]);
@@ -416,7 +417,7 @@ mod tests {
             ],
             vec![e(0, 0)],
         );
-        let s = schedule(&g, None);
+        let s = schedule(&g, None, false);
         // cos (seq 7) before sin (seq 5); h only after both.
         assert_eq!(s.steps, vec![0, 2, 1, 3, 4]);
         let h = s.step_of[3];
@@ -441,7 +442,7 @@ mod tests {
             ],
             vec![e(0, 0)],
         );
-        let s = schedule(&g, None);
+        let s = schedule(&g, None, false);
         let m = s.step_of[3];
         // node 2 (seq 6) runs first and feeds input 1; node 1 feeds input 0.
         assert_eq!(s.slot_sources(m, 0), &[Source::output(s.step_of[1], 0)]);
@@ -471,7 +472,7 @@ mod tests {
             ],
             vec![e(0, 0)],
         );
-        let s = schedule(&g, None);
+        let s = schedule(&g, None, false);
         assert_eq!(s.steps, vec![0, 1, 3, 4, 2, 5]);
     }
 
@@ -483,7 +484,7 @@ mod tests {
             vec![vec![e(2, 0)], vec![e(2, 0)], vec![]],
             vec![e(0, 0), e(1, 0), e(0, 0)],
         );
-        let s = schedule(&g, None);
+        let s = schedule(&g, None, false);
         assert_eq!(s.steps, vec![1, 0, 2]);
         assert_eq!(
             s.slot_sources(s.step_of[0], 0),
@@ -503,7 +504,7 @@ mod tests {
             vec![vec![e(2, 0)], vec![e(0, 0)], vec![]],
             vec![e(0, 0), e(1, 0)],
         );
-        let s = schedule(&g, None);
+        let s = schedule(&g, None, false);
         assert_eq!(s.steps, vec![1, 0, 2]);
         assert_eq!(s.slot_sources(1, 0), &[Source::root(0), Source::output(0, 0)]);
     }
@@ -515,7 +516,7 @@ mod tests {
             vec![vec![Edge::INVALID, e(1, 0)], vec![]],
             vec![e(0, 0)],
         );
-        let s = schedule(&g, None);
+        let s = schedule(&g, None, false);
         assert_eq!(s.steps, vec![0, 1]);
         assert_eq!(s.slot_sources(1, 0), &[Source::output(0, 1)]);
     }

@@ -29,20 +29,22 @@ impl Plan {
     /// Plans the backward from root edges (the gradient edges of the root tensors), over
     /// the whole graph (`.backward()`).
     pub fn build(roots: &[(NodeRef, u32)]) -> Result<Plan, ShimError> {
-        Plan::build_for(roots, None, true)
+        Plan::build_for(roots, None, true, false)
     }
 
     /// Plans a backward with respect to `outputs` (the edges of `inputs=`, None for an
     /// input without a node), accumulating into them (`backward(inputs=)`) or capturing
-    /// their gradients (`autograd.grad`).
+    /// their gradients (`autograd.grad`). `graph_root`: the engine runs the roots from a
+    /// GraphRoot node (always so under the engine hook).
     pub fn build_for(
         roots: &[(NodeRef, u32)],
         outputs: Option<&[Option<(NodeRef, u32)>]>,
         accumulate_grad: bool,
+        graph_root: bool,
     ) -> Result<Plan, ShimError> {
         let snapshot = snapshot(roots, outputs.unwrap_or(&[]))?;
         let exec = outputs.map(|_| ExecInfo::new(&snapshot.graph, accumulate_grad));
-        let schedule = schedule(&snapshot.graph, exec.as_ref());
+        let schedule = schedule(&snapshot.graph, exec.as_ref(), graph_root);
         let layout = layout(&snapshot, &schedule)?;
         Ok(Plan {
             snapshot,

@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 use tch::Tensor;
 
-use crate::ffi::{HookKind, NodeKind, NodeRef};
+use crate::ffi::{self, EngineCall, HookKind, NodeKind, NodeRef};
 use crate::layout::StepMode;
 use crate::order::NO_STEP;
 use crate::plan::{Deferred, Plan};
@@ -84,6 +84,14 @@ fn hook_kind_name(kind: HookKind) -> &'static str {
 #[pyclass(name = "Plan", module = "replaygrad._core", unsendable)]
 pub struct PyPlan {
     plan: Plan,
+    /// The engine's call this plan was made for (root gradients, flags), if any.
+    call: Option<CallData>,
+}
+
+struct CallData {
+    root_grads: Vec<Option<Tensor>>,
+    accumulate_grad: bool,
+    keep_graph: bool,
 }
 
 #[pymethods]
@@ -107,6 +115,34 @@ impl PyPlan {
     #[getter]
     fn num_roots(&self) -> usize {
         self.plan.snapshot.graph.roots.len()
+    }
+
+    /// The root gradients of the engine call, validated by the engine.
+    fn root_grads<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let call = self
+            .call
+            .as_ref()
+            .ok_or_else(|| PyRuntimeError::new_err("not an engine call's plan"))?;
+        to_py_tuple(
+            py,
+            call.root_grads
+                .iter()
+                .map(|g| g.as_ref().map(|t| t.shallow_clone()))
+                .collect(),
+        )
+    }
+
+    /// Whether the engine call keeps the graph (retain_graph).
+    #[getter]
+    fn keep_graph(&self) -> bool {
+        self.call.as_ref().is_none_or(|c| c.keep_graph)
+    }
+
+    /// Whether the engine call accumulates into `.grad` (backward) or returns captured
+    /// gradients (autograd.grad).
+    #[getter]
+    fn accumulate_grad(&self) -> bool {
+        self.call.as_ref().is_none_or(|c| c.accumulate_grad)
     }
 
     /// How many gradients the replay captures (autograd.grad's results).
@@ -402,8 +438,52 @@ fn plan(
         }
     };
     Ok(PyPlan {
-        plan: Plan::build_for(&edges, outputs.as_deref(), accumulate_grad)?,
+        plan: Plan::build_for(&edges, outputs.as_deref(), accumulate_grad, true)?,
+        call: None,
     })
+}
+
+/// Plans the backward call the engine handed to the hook's callback (`call` is the capsule
+/// it passed). Returns None for calls replaygrad leaves to the engine (create_graph=True).
+#[pyfunction]
+fn plan_engine_call(call: &Bound<'_, PyAny>) -> PyResult<Option<PyPlan>> {
+    // SAFETY: live object, GIL held.
+    let call = unsafe { EngineCall::read(call.as_ptr()) }?;
+    if call.create_graph {
+        return Ok(None);
+    }
+    let plan = Plan::build_for(&call.roots, call.outputs.as_deref(), call.accumulate_grad, true)?;
+    Ok(Some(PyPlan {
+        plan,
+        call: Some(CallData {
+            root_grads: call.root_grads,
+            accumulate_grad: call.accumulate_grad,
+            keep_graph: call.keep_graph,
+        }),
+    }))
+}
+
+/// Installs the engine hook: Engine::execute hands backward calls on enabled threads to
+/// `callback(call)`, which returns captured gradients or None to let the engine run.
+#[pyfunction]
+fn engine_hook_install(callback: &Bound<'_, PyAny>) -> PyResult<()> {
+    // SAFETY: live object, GIL held.
+    Ok(unsafe { ffi::engine_hook_install(callback.as_ptr()) }?)
+}
+
+/// Removes the engine hook.
+#[pyfunction]
+fn engine_hook_uninstall() -> PyResult<()> {
+    Ok(ffi::engine_hook_uninstall()?)
+}
+
+/// Enables or disables the hook's callback for backward calls on the current thread;
+/// returns the prior state.
+#[pyfunction]
+fn engine_set_enabled(enabled: bool) -> bool {
+    let prior = ffi::engine_enabled();
+    ffi::engine_set_enabled(enabled);
+    prior
 }
 
 /// The node behind a grad_fn object, compared by identity: True when both objects wrap
@@ -422,6 +502,10 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPlan>()?;
     m.add_function(wrap_pyfunction!(plan, m)?)?;
     m.add_function(wrap_pyfunction!(same_node, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_engine_call, m)?)?;
+    m.add_function(wrap_pyfunction!(engine_hook_install, m)?)?;
+    m.add_function(wrap_pyfunction!(engine_hook_uninstall, m)?)?;
+    m.add_function(wrap_pyfunction!(engine_set_enabled, m)?)?;
     m.add("TORCH_VERSION", env!("REPLAYGRAD_TORCH_VERSION"))?;
     Ok(())
 }

@@ -1,0 +1,175 @@
+"""A replay runs inside the engine's own GraphTask: APIs that depend on it behave as in eager."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+import replaygrad
+
+from conftest import FAST_COMPILERS
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_queue_callback_runs_after_the_backward(compiler):
+    events = []
+    x = torch.randn(3, requires_grad=True)
+
+    def hook(g):
+        events.append("hook")
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: events.append(("callback", x.grad is not None))
+        )
+
+    y = x * 2
+    y.register_hook(hook)
+    replaygrad.backward(y.sum(), compiler=None if compiler is None else "eager")
+    assert events == ["hook", ("callback", True)]
+
+
+def test_graph_task_id_is_set_inside_hooks():
+    ids = []
+    x = torch.randn(3, requires_grad=True)
+    y = x.exp()
+    y.register_hook(lambda g: ids.append(torch._C._current_graph_task_id()))
+    replaygrad.backward(y.sum(), compiler=None)
+    assert ids and ids[0] != -1
+    assert torch._C._current_graph_task_id() == -1
+
+
+@pytest.mark.parametrize("mode", ["all", "any"])
+def test_multi_grad_hook(mode):
+    def run(backward):
+        calls = []
+        a = torch.randn(3, requires_grad=True)
+        b = torch.randn(3, requires_grad=True)
+        torch.autograd.graph.register_multi_grad_hook(
+            (a, b),
+            lambda g: calls.append(g if mode == "any" else [t is None for t in g]),
+            mode=mode,
+        )
+        backward((a * 2).sum())
+        backward((a * b).sum())
+        return calls
+
+    expected = run(lambda loss: loss.backward())
+    got = run(lambda loss: replaygrad.backward(loss, compiler=None))
+    assert len(got) == len(expected)
+    if mode == "all":
+        assert got == expected
+
+
+def test_will_engine_execute_node():
+    seen = []
+    x = torch.randn(3, requires_grad=True)
+    w = torch.randn(3, requires_grad=True)
+    h = x * w
+    other = w.exp()
+
+    def hook(g):
+        seen.append(
+            (
+                torch._C._will_engine_execute_node(h.grad_fn),
+                torch._C._will_engine_execute_node(other.grad_fn),
+            )
+        )
+
+    out = h.sin()
+    out.register_hook(hook)
+    replaygrad.backward(out.sum(), compiler=None)
+    assert seen == [(True, False)]
+
+
+def test_cpp_warnings_become_python_warnings():
+    # A C++ warning raised while a node runs reaches Python's warnings, as in eager.
+    class Warn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            warnings.warn("from backward", UserWarning, stacklevel=1)
+            return g
+
+    def run(backward):
+        x = torch.randn(3, requires_grad=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            backward(Warn.apply(x).sum())
+        return [str(w.message) for w in caught]
+
+    assert run(lambda loss: replaygrad.backward(loss, compiler=None)) == run(
+        lambda loss: loss.backward()
+    )
+
+
+def test_exceptions_from_hooks_reach_the_caller_unchanged():
+    class MyError(Exception):
+        pass
+
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+
+    def hook(g):
+        raise MyError("from a hook")
+
+    y.register_hook(hook)
+    with pytest.raises(MyError, match="from a hook"):
+        replaygrad.backward(y.sum(), compiler=None)
+
+
+def test_backward_inside_a_hook_runs_in_the_engine():
+    inner = []
+    w = torch.randn(3, requires_grad=True)
+
+    def hook(g):
+        z = torch.randn(3, requires_grad=True)
+        with torch.enable_grad():  # hooks run with grad mode off, as in eager
+            (z * z).sum().backward()
+        inner.append(z.grad.clone())
+
+    y = w * 3
+    y.register_hook(hook)
+    replaygrad.backward(y.sum(), compiler=None)
+    assert len(inner) == 1
+    torch.testing.assert_close(w.grad, torch.full((3,), 3.0))
+
+
+def test_enable_restores_the_engine_on_exit():
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(ZeroDivisionError):
+        with replaygrad.enable(compiler=None):
+            raise ZeroDivisionError
+    # After the block the engine runs again without replaygrad.
+    ran = []
+    y = x * 2
+    y.register_hook(lambda g: ran.append(torch._C._current_graph_task_id()))
+    y.sum().backward()
+    assert ran and x.grad is not None
+
+
+def test_other_threads_use_the_engine():
+    errors = []
+
+    def worker():
+        try:
+            for _ in range(20):
+                a = torch.randn(8, requires_grad=True)
+                (a.sin() * a).sum().backward()
+                torch.testing.assert_close(a.grad, a.cos() * a + a.sin())
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    with replaygrad.enable(compiler=None):
+        t = threading.Thread(target=worker)
+        t.start()
+        for _ in range(20):
+            b = torch.randn(8, requires_grad=True)
+            (b.exp() * b).sum().backward()
+            torch.testing.assert_close(b.grad, b.exp() * b + b.exp())
+        t.join()
+    assert not errors
