@@ -5,7 +5,7 @@
 use std::ops::Range;
 
 use tch::Tensor;
-use xxhash_rust::xxh3::Xxh3;
+use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 use crate::errors::ShimError;
 use crate::ffi::{Collector, HookKind, NodeKind, NodeRef, RawSavedVariable};
@@ -58,6 +58,8 @@ pub struct Layout {
     pub svs: Vec<*const RawSavedVariable>,
     /// Slot → the value it held when planned (detached; None if undefined).
     pub values: Vec<Option<Tensor>>,
+    /// Per step: the digests its part of the key is made of.
+    pub digests: Vec<StepDigest>,
     pub key: u128,
 }
 
@@ -130,23 +132,58 @@ fn may_trace(node: &NodeRef, kind: NodeKind) -> Result<bool, ShimError> {
     }
 }
 
+/// What the key of one step is made of, as three digests: the step's structure (node type,
+/// edges, mode, hooks, captures), the metadata of its inputs (what validate_outputs checks
+/// against) and its specialisation (compiled_args' non-tensor state and sizes). Kept so that
+/// a new key can be explained by the steps and parts that differ.
+pub type StepDigest = [u64; 3];
+
+/// Byte buffers of one step's key parts, reused from step to step.
+#[derive(Default)]
+struct KeyParts {
+    structure: Vec<u8>,
+    metadata: Vec<u8>,
+    specialization: Vec<u8>,
+}
+
+impl KeyParts {
+    fn clear(&mut self) {
+        self.structure.clear();
+        self.metadata.clear();
+        self.specialization.clear();
+    }
+
+    fn digest(&self) -> StepDigest {
+        [
+            xxh3_64(&self.structure),
+            xxh3_64(&self.metadata),
+            xxh3_64(&self.specialization),
+        ]
+    }
+}
+
+fn put_u32(buf: &mut Vec<u8>, v: u32) {
+    buf.extend_from_slice(&v.to_le_bytes());
+}
+
 /// Visits every step's node (in execution order) and lays out its saved values and hooks,
-/// hashing everything a compiled replay specialises on into the key.
+/// with the digests of everything a compiled replay specialises on and the key over them.
 pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimError> {
     let graph = &snapshot.graph;
     let mut collector = Collector::new()?;
     let mut steps = Vec::with_capacity(schedule.len());
+    let mut digests = Vec::with_capacity(schedule.len());
     let mut hooks = Vec::new();
     let mut hasher = Xxh3::new();
-    hasher.update(b"replaygrad-plan-v1");
+    hasher.update(b"replaygrad-plan-v2");
     hash_u32(&mut hasher, graph.roots.len() as u32);
     for root in &graph.roots {
         hash_u32(&mut hasher, schedule.step_of[root.node as usize]);
         hash_u32(&mut hasher, root.input_nr);
     }
-
     hash_u32(&mut hasher, graph.outputs.len() as u32);
 
+    let mut parts = KeyParts::default();
     let mut num_saved = 0u32;
     for (s, &n) in schedule.steps.iter().enumerate() {
         let node = &snapshot.handles[n as usize];
@@ -156,46 +193,51 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
         if data.hooks.any() {
             hooks_of(node, graph, n, runs, &mut hooks)?;
         }
-        for c in schedule.step_captures(s as u32) {
-            hash_u32(&mut hasher, c.input_nr);
-            hash_u32(&mut hasher, c.output_idx);
-        }
         let step_hooks = &hooks[hook_start as usize..];
         let has_python_post = step_hooks.iter().any(|h| h.kind == HookKind::Post);
         let has_cpp_hook = step_hooks.iter().any(|h| !h.python);
 
-        hasher.update(graph.name(n).as_bytes());
-        hasher.update(&[data.kind as u8, 0xff]);
-        hash_u32(&mut hasher, data.num_inputs);
+        parts.clear();
+        let st = &mut parts.structure;
+        st.extend_from_slice(graph.name(n).as_bytes());
+        st.extend_from_slice(&[0, data.kind as u8]);
+        put_u32(st, data.num_inputs);
         let edges = graph.next_edges(n);
-        hash_u32(&mut hasher, edges.len() as u32);
+        put_u32(st, edges.len() as u32);
         for e in edges {
-            let target = if e.is_valid() {
-                schedule.step_of[e.node as usize]
-            } else {
-                NO_STEP
-            };
-            hash_u32(&mut hasher, target);
-            hash_u32(&mut hasher, e.input_nr);
+            put_u32(
+                st,
+                if e.is_valid() {
+                    schedule.step_of[e.node as usize]
+                } else {
+                    NO_STEP
+                },
+            );
+            put_u32(st, e.input_nr);
+        }
+        for c in schedule.step_captures(s as u32) {
+            put_u32(st, c.input_nr);
+            put_u32(st, c.output_idx);
+        }
+        for h in step_hooks {
+            st.extend_from_slice(&[h.kind as u8, h.python as u8]);
+            put_u32(st, h.index);
+            put_u32(st, h.value_idx.unwrap_or(u32::MAX));
         }
         for i in 0..data.num_inputs {
             let meta = node.input_metadata(i)?;
+            let md = &mut parts.metadata;
             for v in [
                 meta.dtype,
                 meta.device_type,
                 meta.device_index,
                 meta.shape.len() as i32,
             ] {
-                hasher.update(&v.to_le_bytes());
+                md.extend_from_slice(&v.to_le_bytes());
             }
             for d in &meta.shape {
-                hasher.update(&d.to_le_bytes());
+                md.extend_from_slice(&d.to_le_bytes());
             }
-        }
-        for h in step_hooks {
-            hasher.update(&[h.kind as u8, h.python as u8]);
-            hash_u32(&mut hasher, h.index);
-            hash_u32(&mut hasher, h.value_idx.unwrap_or(u32::MAX));
         }
 
         let mut mode = if !runs {
@@ -219,12 +261,13 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
             let visited = collector.visit(node)?;
             if visited.supported {
                 num_saved += visited.num_saved as u32;
-                hash_u32(&mut hasher, visited.num_saved as u32);
-                hash_u32(&mut hasher, visited.key.len() as u32);
-                hasher.update(visited.key);
-                hash_u32(&mut hasher, visited.sizes.len() as u32);
-                for s in visited.sizes {
-                    hasher.update(&s.to_le_bytes());
+                let sp = &mut parts.specialization;
+                put_u32(sp, visited.num_saved as u32);
+                put_u32(sp, visited.key.len() as u32);
+                sp.extend_from_slice(visited.key);
+                put_u32(sp, visited.sizes.len() as u32);
+                for v in visited.sizes {
+                    sp.extend_from_slice(&v.to_le_bytes());
                 }
             } else {
                 // compiled_args not implemented (e.g. a third-party Node subclass): its
@@ -232,7 +275,12 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
                 mode = StepMode::Opaque;
             }
         }
-        hasher.update(&[mode as u8]);
+        parts.structure.push(mode as u8);
+        let digest = parts.digest();
+        for d in digest {
+            hasher.update(&d.to_le_bytes());
+        }
+        digests.push(digest);
         steps.push(StepLayout {
             mode,
             saved: saved_start..num_saved,
@@ -246,6 +294,7 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
         hooks,
         svs,
         values,
+        digests,
         key: hasher.digest128(),
     })
 }

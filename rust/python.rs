@@ -102,6 +102,18 @@ impl PyPlan {
         format!("{:032x}", self.plan.layout.key)
     }
 
+    /// Per step, the digests of its structure, input metadata and specialisation, packed
+    /// as 24 little-endian bytes per step (for explaining why a key changed).
+    fn step_digests<'py>(&self, py: Python<'py>) -> Bound<'py, pyo3::types::PyBytes> {
+        let mut out = Vec::with_capacity(self.plan.layout.digests.len() * 24);
+        for d in &self.plan.layout.digests {
+            for v in d {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        pyo3::types::PyBytes::new(py, &out)
+    }
+
     #[getter]
     fn num_steps(&self) -> usize {
         self.plan.num_steps()

@@ -6,7 +6,31 @@ generated Python function with saved values as inputs, and compiled with torch.c
 
 import torch  # noqa: F401  (loads libtorch before the native module)
 
-from ._api import Plan, backward, enable, grad, plan
-from ._compile import Compiler
+from ._api import (
+    Plan,
+    backward,
+    cache_info,
+    disable,
+    enable,
+    explain,
+    grad,
+    plan,
+    reset,
+    set_cache_size,
+)
+from ._compile import CacheInfo, Compiler
 
-__all__ = ["Compiler", "Plan", "backward", "enable", "grad", "plan"]
+__all__ = [
+    "CacheInfo",
+    "Compiler",
+    "Plan",
+    "backward",
+    "cache_info",
+    "disable",
+    "enable",
+    "explain",
+    "grad",
+    "plan",
+    "reset",
+    "set_cache_size",
+]

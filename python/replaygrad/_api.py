@@ -1,16 +1,18 @@
-"""The public API: backward, grad, enable, plan."""
+"""The public API: backward, grad, enable/disable, plan/explain, the cache."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from . import _core
-from ._compile import Compiler, check_compiler
-from ._engine import Config, routed
+from ._compile import CacheInfo, Compiler, Config, cache
+from ._engine import routed
+from ._explain import table, to_dot
+from ._replay import generate_source
 
 TensorOrTensors = torch.Tensor | Sequence[torch.Tensor]
 
@@ -23,6 +25,7 @@ def backward(
     create_graph: bool = False,
     inputs: TensorOrTensors | None = None,
     compiler: Compiler = "inductor",
+    **compile_options: Any,
 ) -> None:
     """Computes the sum of gradients of ``tensors`` w.r.t. graph leaves, like
     :func:`torch.autograd.backward`, by replaying the backward graph compiled with
@@ -33,14 +36,15 @@ def backward(
         grad_tensors: gradients w.r.t. each root (None for scalars), as in torch.
         retain_graph: keep the graph's saved values for another backward; defaults to
             ``create_graph``.
-        create_graph: build a graph of the gradients (runs the eager engine).
+        create_graph: build a graph of the gradients (the engine runs such calls).
         inputs: accumulate only into these tensors (or GradientEdges), as in torch.
         compiler: a torch.compile backend name (e.g. ``"inductor"``, ``"aot_eager"``), a
             callable that compiles a function (e.g. ``torch.compile(fullgraph=True)``), or
             ``None`` to run the replay uncompiled.
+        **compile_options: passed to ``torch.compile`` with a backend name (``mode=``,
+            ``dynamic=``, ``fullgraph=``, ``options=``).
     """
-    check_compiler(compiler)
-    with routed(Config(compiler)):
+    with routed(Config.make(compiler, compile_options)):
         torch.autograd.backward(
             tensors,
             grad_tensors,
@@ -60,12 +64,12 @@ def grad(
     allow_unused: bool | None = None,
     materialize_grads: bool = False,
     compiler: Compiler = "inductor",
+    **compile_options: Any,
 ) -> tuple[torch.Tensor | None, ...]:
     """Computes and returns the gradients of ``outputs`` w.r.t. ``inputs``, like
     :func:`torch.autograd.grad` (no ``.grad`` is written), by replaying the backward graph
     compiled with ``compiler`` (see :func:`backward`)."""
-    check_compiler(compiler)
-    with routed(Config(compiler)):
+    with routed(Config.make(compiler, compile_options)):
         return torch.autograd.grad(
             outputs,
             inputs,
@@ -78,47 +82,96 @@ def grad(
 
 
 @contextmanager
-def enable(compiler: Compiler = "inductor") -> Iterator[None]:
+def enable(compiler: Compiler = "inductor", **compile_options: Any) -> Iterator[None]:
     """Routes every backward on this thread (``loss.backward()``,
     ``torch.autograd.backward``, ``torch.autograd.grad``) through replaygrad while the block
-    runs.
+    runs, compiled with ``compiler`` and ``compile_options`` (see :func:`backward`).
 
-    Nested blocks use the innermost compiler; the prior state is restored on exit, also when
-    the block raises.
+    Blocks nest: the innermost :func:`enable` or :func:`disable` decides, and the prior state
+    is restored on exit, also when the block raises. Other threads are not affected.
     """
-    check_compiler(compiler)
-    with routed(Config(compiler)):
+    with routed(Config.make(compiler, compile_options)):
         yield
 
 
-@dataclass(frozen=True)
+@contextmanager
+def disable() -> Iterator[None]:
+    """Runs this thread's backward calls with PyTorch's engine while the block runs, also
+    inside an :func:`enable` block."""
+    with routed(None):
+        yield
+
+
 class Plan:
-    """What replaygrad would run for a backward from given roots.
+    """What replaygrad runs for a backward from given roots.
 
     Attributes:
         order: node names in the order the engine runs them.
-        saved: the saved-value layout, one ``(step, node name)`` per slot, in replay-input
-            order.
-        opaque: ``(step, node name)`` of the nodes that run as themselves (graph breaks).
-        key: the structural key: equal keys share a compiled replay.
+        saved: the saved-value layout: ``(step, node name)`` per slot, in replay-input order.
+        opaque: ``(step, node name)`` of the steps that run as themselves (graph breaks).
+        key: the structural key: plans with equal keys share a compiled replay.
     """
 
-    order: list[str]
-    saved: list[tuple[int, str]]
-    opaque: list[tuple[int, str]]
-    key: str
+    def __init__(self, plan: _core.Plan) -> None:
+        self._plan = plan
+        steps = plan.steps()
+        self.order: list[str] = plan.order()
+        self.saved: list[tuple[int, str]] = [
+            (s, step[0]) for s, step in enumerate(steps) for _ in range(step[6], step[7])
+        ]
+        self.opaque: list[tuple[int, str]] = [
+            (s, step[0])
+            for s, step in enumerate(steps)
+            if step[2] in ("opaque", "eager_accumulate")
+        ]
+        self.key: str = plan.key
+
+    @property
+    def source(self) -> str:
+        """The replay function's generated Python source."""
+        return generate_source(self._plan)
+
+    def explain(self) -> str:
+        """A table of the steps (node, sequence_nr, inputs, saved values, mode, hooks)
+        followed by the replay source."""
+        return f"{table(self._plan)}\n\n{self.source}"
+
+    def to_dot(self) -> str:
+        """Graphviz source of the plan; graph breaks are drawn red and dashed."""
+        return to_dot(self._plan)
+
+    def __repr__(self) -> str:
+        return (
+            f"Plan({len(self.order)} steps, {len(self.saved)} saved values, "
+            f"{len(self.opaque)} graph breaks, key={self.key})"
+        )
 
 
-def plan(tensors: TensorOrTensors) -> Plan:
-    """Plans the backward of ``tensors`` without running it."""
+def plan(tensors: TensorOrTensors, inputs: TensorOrTensors | None = None) -> Plan:
+    """Plans the backward of ``tensors`` (with respect to ``inputs`` if given, as
+    ``autograd.grad`` would) without running it."""
     roots = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
-    p = _core.plan(roots)
-    steps = p.steps()
-    saved: list[tuple[int, str]] = []
-    opaque: list[tuple[int, str]] = []
-    for s, step in enumerate(steps):
-        name, mode, start, end = step[0], step[2], step[6], step[7]
-        saved.extend((s, name) for _ in range(start, end))
-        if mode in ("opaque", "eager_accumulate"):
-            opaque.append((s, name))
-    return Plan(order=p.order(), saved=saved, opaque=opaque, key=p.key)
+    if inputs is None:
+        return Plan(_core.plan(roots))
+    targets = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    return Plan(_core.plan(roots, targets, False))
+
+
+def explain(tensors: TensorOrTensors) -> str:
+    """``plan(tensors).explain()``: what a backward from ``tensors`` would run."""
+    return plan(tensors).explain()
+
+
+def cache_info() -> CacheInfo:
+    """Hits, misses, current size and maximum size of the compiled-replay cache."""
+    return cache.info()
+
+
+def set_cache_size(maxsize: int) -> None:
+    """Bounds the compiled-replay cache (least recently used entries are dropped)."""
+    cache.resize(maxsize)
+
+
+def reset() -> None:
+    """Drops every compiled replay and the cache statistics."""
+    cache.clear()

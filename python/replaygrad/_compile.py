@@ -5,17 +5,41 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
 from . import _core
+from ._explain import key_difference
+from ._logging import Lazy, cache_log, recompiles_log, source_log
 from ._replay import Replay, build
 
 #: What ``compiler=`` accepts: a torch.compile backend name, a callable that takes a
 #: function and returns a compiled one, or None (run the replay as plain Python).
 Compiler = str | Callable[[Callable[..., Any]], Callable[..., Any]] | None
+
+
+@dataclass(frozen=True)
+class Config:
+    """How backward calls are run: the compiler and, for a backend name, the options given
+    to ``torch.compile`` (``mode``, ``dynamic``, ``fullgraph``, ``options``, ...)."""
+
+    compiler: Compiler
+    options: tuple[tuple[str, Any], ...] = ()
+
+    @staticmethod
+    def make(compiler: Compiler, options: dict[str, Any]) -> Config:
+        check_compiler(compiler)
+        if options and not isinstance(compiler, str):
+            raise TypeError(
+                "compile options are passed to torch.compile, so they need a backend name as "
+                f"compiler, got {compiler!r}"
+            )
+        bad = set(options) & {"backend", "model"}
+        if bad:
+            raise TypeError(f"compile options may not set {', '.join(sorted(bad))}")
+        return Config(compiler, tuple(sorted(options.items(), key=lambda kv: kv[0])))
 
 
 def check_compiler(compiler: Compiler) -> None:
@@ -34,11 +58,12 @@ def check_compiler(compiler: Compiler) -> None:
         )
 
 
-def _compile(fn: Callable[..., Any], compiler: Compiler) -> Callable[..., Any]:
+def _compile(fn: Callable[..., Any], config: Config) -> Callable[..., Any]:
+    compiler = config.compiler
     if compiler is None:
         return fn
     if isinstance(compiler, str):
-        return torch.compile(fn, backend=compiler)
+        return torch.compile(fn, backend=compiler, **dict(config.options))
     compiled = compiler(fn)
     if not callable(compiled):
         raise TypeError(
@@ -49,42 +74,79 @@ def _compile(fn: Callable[..., Any], compiler: Compiler) -> Callable[..., Any]:
 
 @dataclass
 class Entry:
-    """A cached replay: the generated function and its compiled form."""
+    """A cached replay: the generated function, its compiled form, and what its key was
+    made of (to explain later misses)."""
 
     replay: Replay
     compiled: Callable[..., Any]
+    step_digests: bytes
+    order: list[str]
     calls: int = 0
 
 
-class ReplayCache:
-    """Compiled replays by (compiler, plan key), least recently used evicted first.
+class CacheInfo(NamedTuple):
+    hits: int
+    misses: int
+    size: int
+    maxsize: int
 
-    Entries hold no tensors and no nodes: a replay takes all of them as arguments.
+
+@dataclass
+class ReplayCache:
+    """Compiled replays by (config, plan key), least recently used evicted first.
+
+    Entries hold no tensors and no graph nodes: a replay takes all of them as arguments.
+    Lookups are thread-safe; two threads missing on the same key may both compile it.
     """
 
-    def __init__(self, maxsize: int = 256) -> None:
-        self.maxsize = maxsize
-        self._entries: OrderedDict[tuple[Any, str], Entry] = OrderedDict()
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
+    maxsize: int = 256
+    hits: int = 0
+    misses: int = 0
+    _entries: OrderedDict[tuple[Config, str], Entry] = field(default_factory=OrderedDict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def get(self, plan: _core.Plan, compiler: Compiler) -> Entry:
-        key = (compiler, plan.key)
+    def get(self, plan: _core.Plan, config: Config) -> Entry:
+        key = (config, plan.key)
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries.move_to_end(key)
                 self.hits += 1
+                cache_log.debug("hit %s (%d steps)", plan.key, plan.num_steps)
                 return entry
+            latest = next((e for (c, _), e in reversed(self._entries.items()) if c == config), None)
+        if latest is not None and recompiles_log.isEnabledFor(10):
+            recompiles_log.debug(
+                "new replay for key %s: %s",
+                plan.key,
+                Lazy(lambda: key_difference(plan, latest.step_digests, latest.order)),
+            )
         replay = build(plan)
-        entry = Entry(replay=replay, compiled=_compile(replay.fn, compiler))
+        source_log.debug("replay %s:\n%s", plan.key, replay.source)
+        entry = Entry(
+            replay=replay,
+            compiled=_compile(replay.fn, config),
+            step_digests=plan.step_digests(),
+            order=plan.order(),
+        )
         with self._lock:
             self.misses += 1
             self._entries[key] = entry
             while len(self._entries) > self.maxsize:
                 self._entries.popitem(last=False)
+        cache_log.debug("miss %s (%d steps): compiled a new replay", plan.key, plan.num_steps)
         return entry
+
+    def info(self) -> CacheInfo:
+        return CacheInfo(self.hits, self.misses, len(self._entries), self.maxsize)
+
+    def resize(self, maxsize: int) -> None:
+        if not isinstance(maxsize, int) or maxsize < 1:
+            raise ValueError(f"cache size must be a positive int, got {maxsize!r}")
+        with self._lock:
+            self.maxsize = maxsize
+            while len(self._entries) > maxsize:
+                self._entries.popitem(last=False)
 
     def clear(self) -> None:
         with self._lock:

@@ -13,29 +13,20 @@ GraphTask-dependent APIs behave as in eager.
 
 from __future__ import annotations
 
-import logging
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from . import _core
-from ._compile import Compiler, cache
+from ._compile import Config, cache
+from ._explain import table
+from ._logging import Lazy, log, plan_log
 from ._replay import running
-
-log = logging.getLogger("replaygrad")
 
 _tls = threading.local()
 _install_lock = threading.Lock()
 _install_count = 0
-
-
-@dataclass(frozen=True)
-class Config:
-    """How backward calls on this thread are run."""
-
-    compiler: Compiler
 
 
 def current_config() -> Config | None:
@@ -48,38 +39,42 @@ def _torch_compiled_autograd_enabled() -> bool:
 
 
 class routed:
-    """Routes this thread's backward calls through replaygrad with ``config`` while active.
+    """Routes this thread's backward calls through replaygrad with ``config`` while active
+    (``None``: to the engine).
 
-    Nests: the innermost config wins, and the prior one is restored on exit, also when the
+    Nests: the innermost block wins, and the prior state is restored on exit, also when the
     block raises. The engine hook is installed while any thread has a block active.
     """
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config | None) -> None:
         self.config = config
 
     def __enter__(self) -> None:
         global _install_count
-        if _torch_compiled_autograd_enabled():
-            raise RuntimeError(
-                "replaygrad cannot run while torch._dynamo.compiled_autograd is enabled: both "
-                "take over the autograd engine's compiled-autograd slot"
-            )
-        with _install_lock:
-            if _install_count == 0:
-                _core.engine_hook_install(_on_engine_call)
-            _install_count += 1
+        self.installs = self.config is not None
+        if self.installs:
+            if _torch_compiled_autograd_enabled():
+                raise RuntimeError(
+                    "replaygrad cannot run while torch._dynamo.compiled_autograd is enabled: "
+                    "both take over the autograd engine's compiled-autograd slot"
+                )
+            with _install_lock:
+                if _install_count == 0:
+                    _core.engine_hook_install(_on_engine_call)
+                _install_count += 1
         self.prior = current_config()
         _tls.config = self.config
-        self.prior_enabled = _core.engine_set_enabled(True)
+        self.prior_enabled = _core.engine_set_enabled(self.config is not None)
 
     def __exit__(self, *exc: object) -> None:
         global _install_count
         _tls.config = self.prior
         _core.engine_set_enabled(self.prior_enabled)
-        with _install_lock:
-            _install_count -= 1
-            if _install_count == 0:
-                _core.engine_hook_uninstall()
+        if self.installs:
+            with _install_lock:
+                _install_count -= 1
+                if _install_count == 0:
+                    _core.engine_hook_uninstall()
 
 
 _eager_reasons_logged: set[str] = set()
@@ -108,7 +103,8 @@ def _on_engine_call(call: Any) -> tuple[torch.Tensor | None, ...] | None:
 
 
 def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]:
-    entry = cache.get(plan, config.compiler)
+    plan_log.debug("plan:\n%s", Lazy(lambda: table(plan)))
+    entry = cache.get(plan, config)
     grads = plan.root_grads()
     saved = plan.saved_values()
     hooks = plan.hook_functions()

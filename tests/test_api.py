@@ -1,0 +1,157 @@
+"""The public API around the replay: switches, options, explain, logging, the cache."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import replaygrad
+from replaygrad import _core
+
+
+def loss_of(w):
+    return (w.exp() * w).sum()
+
+
+def test_nested_enable_and_disable_restore_state():
+    w = torch.randn(3, requires_grad=True)
+    compilers = []
+
+    def compiler(fn):
+        compilers.append(fn)
+        return fn
+
+    with replaygrad.enable(compiler=None):
+        with replaygrad.disable():
+            loss_of(w).backward()  # the engine
+            assert replaygrad.cache_info().misses == 0
+            with replaygrad.enable(compiler=compiler):
+                loss_of(w).backward()
+            assert len(compilers) == 1
+        loss_of(w).backward()  # back to compiler=None
+        assert replaygrad.cache_info().misses == 2
+    loss_of(w).backward()  # outside: the engine again
+    assert replaygrad.cache_info().misses == 2
+    assert _core.engine_set_enabled(False) is False
+
+
+def test_enable_restores_state_when_the_block_raises():
+    w = torch.randn(3, requires_grad=True)
+    with pytest.raises(KeyError):
+        with replaygrad.enable(compiler=None):
+            with replaygrad.disable():
+                raise KeyError("x")
+    loss_of(w).backward()
+    assert replaygrad.cache_info().misses == 0
+
+
+def test_compile_options_reach_torch_compile(monkeypatch):
+    seen = {}
+    real_compile = torch.compile
+
+    def spy(fn, **kwargs):
+        seen.update(kwargs)
+        return real_compile(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", spy)
+    w = torch.randn(3, requires_grad=True)
+    with replaygrad.enable("aot_eager", dynamic=False, fullgraph=True):
+        loss_of(w).backward()
+    assert seen == {"backend": "aot_eager", "dynamic": False, "fullgraph": True}
+    torch.testing.assert_close(w.grad, w.exp() * w + w.exp())
+
+
+def test_bad_compile_options():
+    with pytest.raises(TypeError, match="need a backend name"):
+        with replaygrad.enable(compiler=None, mode="max-autotune"):
+            pass
+    with pytest.raises(TypeError, match="may not set backend"):
+        with replaygrad.enable("eager", backend="inductor"):
+            pass
+    with pytest.raises(ValueError, match="unknown compiler 'nope'"):
+        with replaygrad.enable("nope"):
+            pass
+    with pytest.raises(TypeError, match="compiler must be"):
+        with replaygrad.enable(3):
+            pass
+
+
+def test_plan_explain_and_dot():
+    class Opaque(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    w = torch.randn(3, requires_grad=True)
+    h = w.exp()
+    h.register_hook(lambda g: g)
+    loss = Opaque.apply(h).sum()
+    plan = replaygrad.plan(loss)
+    assert plan.order == [
+        "SumBackward0",
+        "OpaqueBackward",
+        "ExpBackward0",
+        "torch::autograd::AccumulateGrad",
+    ]
+    assert plan.opaque == [(1, "OpaqueBackward")]
+    assert plan.saved == [(2, "ExpBackward0")]
+    text = plan.explain()
+    assert "OpaqueBackward" in text and "opaque" in text and "tensor_pre" in text
+    assert "def replay(grads, saved, hooks):" in text
+    assert "1 graph breaks" in text
+    dot = plan.to_dot()
+    assert dot.startswith("digraph replaygrad {")
+    assert 's1 [label="1: OpaqueBackward\\nopaque", color=red, style=dashed' in dot
+    assert replaygrad.explain(loss) == text
+
+
+def test_logging_channels(caplog):
+    w = torch.randn(3, requires_grad=True)
+    caplog.set_level(logging.DEBUG, logger="replaygrad")
+    replaygrad.backward(loss_of(w), compiler=None)
+    replaygrad.backward(loss_of(w), compiler=None)
+    replaygrad.backward(torch.addcmul(w, w, w, value=3.0).sum(), compiler=None)
+    messages = [(r.name, r.getMessage()) for r in caplog.records]
+    names = [n for n, _ in messages]
+    assert "replaygrad.plan" in names and "replaygrad.source" in names
+    assert any(n == "replaygrad.cache" and m.startswith("hit") for n, m in messages)
+    recompiles = [m for n, m in messages if n == "replaygrad.recompiles"]
+    assert any("step 0 (SumBackward0)" in m or "steps" in m for m in recompiles)
+
+
+def test_recompile_reason_names_the_changed_part(caplog):
+    w = torch.randn(3, requires_grad=True)
+    caplog.set_level(logging.DEBUG, logger="replaygrad.recompiles")
+    replaygrad.backward(torch.addcmul(w, w, w, value=2.0).sum(), compiler=None)
+    replaygrad.backward(torch.addcmul(w, w, w, value=3.0).sum(), compiler=None)
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "replaygrad.recompiles"]
+    assert "step 1 (AddcmulBackward0): specialization" in message
+
+
+def test_configure_rejects_unknown_channels():
+    from replaygrad._logging import configure
+
+    with pytest.raises(ValueError, match="unknown channel"):
+        configure("plan,bogus")
+
+
+def test_cache_info_reset_and_size():
+    w = torch.randn(3, requires_grad=True)
+    replaygrad.set_cache_size(2)
+    try:
+        for k in (1.0, 2.0, 3.0):
+            replaygrad.backward(torch.addcmul(w, w, w, value=k).sum(), compiler=None)
+        info = replaygrad.cache_info()
+        assert (info.misses, info.size, info.maxsize) == (3, 2, 2)
+        replaygrad.reset()
+        assert replaygrad.cache_info() == (0, 0, 0, 2)
+        with pytest.raises(ValueError):
+            replaygrad.set_cache_size(0)
+    finally:
+        replaygrad.set_cache_size(256)
