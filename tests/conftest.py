@@ -105,7 +105,9 @@ def compare_training(
         eager_opt.zero_grad()
         eager_model(x).square().mean().backward()
         rg_opt.zero_grad()
+        before = replaygrad.cache_info()
         replaygrad.backward(rg_model(x).square().mean(), compiler=compiler)
+        assert_replayed(before)
         assert_grads_equal(
             grads_of(eager_model.parameters()),
             grads_of(rg_model.parameters()),
@@ -113,6 +115,13 @@ def compare_training(
         )
         eager_opt.step()
         rg_opt.step()
+
+
+def assert_replayed(before, calls: int = 1) -> None:
+    """Checks that `calls` backward calls went through a replay since `before`
+    (a cache_info() snapshot), not silently through the engine."""
+    after = replaygrad.cache_info()
+    assert (after.hits + after.misses) - (before.hits + before.misses) == calls
 
 
 def counting_backend():
@@ -131,6 +140,7 @@ __all__ = [
     "FAST_COMPILERS",
     "all_nodes",
     "assert_grads_equal",
+    "assert_replayed",
     "compare_training",
     "counting_backend",
     "engine_order",

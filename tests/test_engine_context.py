@@ -10,7 +10,7 @@ import torch
 
 import replaygrad
 
-from conftest import FAST_COMPILERS
+from conftest import FAST_COMPILERS, assert_replayed
 
 
 @pytest.mark.parametrize("compiler", FAST_COMPILERS)
@@ -173,3 +173,19 @@ def test_other_threads_use_the_engine():
             torch.testing.assert_close(b.grad, b.exp() * b + b.exp())
         t.join()
     assert not errors
+
+
+def test_replay_survives_torch_compile_clearing_the_engine_slot():
+    # AOTAutograd compiles (of a replay or of a torch.compile'd forward) clear the engine's
+    # compiled-autograd slot; replaygrad takes it back.
+    lin = torch.nn.Linear(4, 4)
+    fwd = torch.compile(lambda x: lin(x).relu(), backend="aot_eager")
+    with replaygrad.enable("aot_eager"):
+        for _ in range(3):
+            before = replaygrad.cache_info()
+            fwd(torch.randn(2, 4)).sum().backward()
+            assert_replayed(before)
+        torch._dynamo.compiled_autograd.reset()
+        before = replaygrad.cache_info()
+        (lin(torch.randn(2, 4)) ** 2).sum().backward()
+        assert_replayed(before)

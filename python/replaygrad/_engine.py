@@ -13,7 +13,9 @@ GraphTask-dependent APIs behave as in eager.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,6 +38,54 @@ def current_config() -> Config | None:
 def _torch_compiled_autograd_enabled() -> bool:
     ca = getattr(torch._dynamo, "compiled_autograd", None)
     return bool(getattr(ca, "compiled_autograd_enabled", False))
+
+
+# torch clears the engine's compiled-autograd slot (sets it to None) whenever its own
+# compiled autograd steps aside: `compiled_autograd._disable()` runs around every AOTAutograd
+# compile and functorch transform, and `reset()`. Backward calls inside a `_disable()` region
+# (AOTAutograd traces joint graphs with autograd.grad) must reach the engine, so replaygrad
+# stays out of the slot until the outermost region ends, then takes it back; a slot cleared
+# outside such a region is taken back at once. While torch's compiled autograd is on, it
+# keeps the slot.
+_ca_module = torch._C._dynamo.compiled_autograd
+_torch_set_autograd_compiler = _ca_module.set_autograd_compiler
+_torch_ca_disable = torch._dynamo.compiled_autograd._disable
+_disable_depth = 0
+
+
+def _reclaim_slot() -> None:
+    if _install_count > 0 and _disable_depth == 0:
+        _core.engine_hook_install(_on_engine_call)
+
+
+def _set_autograd_compiler(compiler: Any, dynamic: bool) -> Any:
+    prior = _torch_set_autograd_compiler(compiler, dynamic)
+    if compiler is None:
+        _reclaim_slot()
+    return prior
+
+
+@contextlib.contextmanager
+def _ca_disable() -> Iterator[None]:
+    global _disable_depth
+    with _install_lock:
+        _disable_depth += 1
+    try:
+        with _torch_ca_disable():
+            yield
+    finally:
+        with _install_lock:
+            _disable_depth -= 1
+            _reclaim_slot()
+
+
+def _patch_torch(install: bool) -> None:
+    if install:
+        _ca_module.set_autograd_compiler = _set_autograd_compiler
+        torch._dynamo.compiled_autograd._disable = _ca_disable
+    else:
+        _ca_module.set_autograd_compiler = _torch_set_autograd_compiler
+        torch._dynamo.compiled_autograd._disable = _torch_ca_disable
 
 
 class routed:
@@ -61,6 +111,7 @@ class routed:
             with _install_lock:
                 if _install_count == 0:
                     _core.engine_hook_install(_on_engine_call)
+                    _patch_torch(True)
                 _install_count += 1
         self.prior = current_config()
         _tls.config = self.config
@@ -74,6 +125,7 @@ class routed:
             with _install_lock:
                 _install_count -= 1
                 if _install_count == 0:
+                    _patch_torch(False)
                     _core.engine_hook_uninstall()
 
 
