@@ -25,6 +25,7 @@ def backward(
     create_graph: bool = False,
     inputs: TensorOrTensors | None = None,
     compiler: Compiler = "inductor",
+    fallback: str | None = None,
     **compile_options: Any,
 ) -> None:
     """Computes the sum of gradients of ``tensors`` w.r.t. graph leaves, like
@@ -41,10 +42,14 @@ def backward(
         compiler: a torch.compile backend name (e.g. ``"inductor"``, ``"aot_eager"``), a
             callable that compiles a function (e.g. ``torch.compile(fullgraph=True)``), or
             ``None`` to run the replay uncompiled.
+        fallback: ``"eager"`` to have the engine run a call whose replay fails to compile
+            (and later calls with the same plan), logged as a warning; by default the error
+            is raised with the plan's key. Python hooks and opaque nodes that ran before the
+            failure run again.
         **compile_options: passed to ``torch.compile`` with a backend name (``mode=``,
             ``dynamic=``, ``fullgraph=``, ``options=``).
     """
-    with routed(Config.make(compiler, compile_options)):
+    with routed(Config.make(compiler, compile_options, fallback)):
         torch.autograd.backward(
             tensors,
             grad_tensors,
@@ -64,12 +69,13 @@ def grad(
     allow_unused: bool | None = None,
     materialize_grads: bool = False,
     compiler: Compiler = "inductor",
+    fallback: str | None = None,
     **compile_options: Any,
 ) -> tuple[torch.Tensor | None, ...]:
     """Computes and returns the gradients of ``outputs`` w.r.t. ``inputs``, like
     :func:`torch.autograd.grad` (no ``.grad`` is written), by replaying the backward graph
     compiled with ``compiler`` (see :func:`backward`)."""
-    with routed(Config.make(compiler, compile_options)):
+    with routed(Config.make(compiler, compile_options, fallback)):
         return torch.autograd.grad(
             outputs,
             inputs,
@@ -82,15 +88,18 @@ def grad(
 
 
 @contextmanager
-def enable(compiler: Compiler = "inductor", **compile_options: Any) -> Iterator[None]:
+def enable(
+    compiler: Compiler = "inductor", *, fallback: str | None = None, **compile_options: Any
+) -> Iterator[None]:
     """Routes every backward on this thread (``loss.backward()``,
     ``torch.autograd.backward``, ``torch.autograd.grad``) through replaygrad while the block
-    runs, compiled with ``compiler`` and ``compile_options`` (see :func:`backward`).
+    runs, compiled with ``compiler`` and ``compile_options``, with ``fallback`` on compile
+    failures (see :func:`backward`).
 
     Blocks nest: the innermost :func:`enable` or :func:`disable` decides, and the prior state
     is restored on exit, also when the block raises. Other threads are not affected.
     """
-    with routed(Config.make(compiler, compile_options)):
+    with routed(Config.make(compiler, compile_options, fallback)):
         yield
 
 

@@ -27,10 +27,15 @@ class Config:
 
     compiler: Compiler
     options: tuple[tuple[str, Any], ...] = ()
+    #: "eager": when compiling a replay fails, the engine runs the call (and later ones with
+    #: the same plan) instead of raising.
+    fallback: str | None = None
 
     @staticmethod
-    def make(compiler: Compiler, options: dict[str, Any]) -> Config:
+    def make(compiler: Compiler, options: dict[str, Any], fallback: str | None = None) -> Config:
         check_compiler(compiler)
+        if fallback not in (None, "eager"):
+            raise ValueError(f"fallback must be None or 'eager', got {fallback!r}")
         if options and not isinstance(compiler, str):
             raise TypeError(
                 "compile options are passed to torch.compile, so they need a backend name as "
@@ -39,7 +44,7 @@ class Config:
         bad = set(options) & {"backend", "model"}
         if bad:
             raise TypeError(f"compile options may not set {', '.join(sorted(bad))}")
-        return Config(compiler, tuple(sorted(options.items(), key=lambda kv: kv[0])))
+        return Config(compiler, tuple(sorted(options.items(), key=lambda kv: kv[0])), fallback)
 
 
 def check_compiler(compiler: Compiler) -> None:
@@ -82,6 +87,8 @@ class Entry:
     step_digests: bytes
     order: list[str]
     calls: int = 0
+    #: Compiling failed and the config's fallback sends this plan to the engine.
+    failed: bool = False
 
 
 class CacheInfo(NamedTuple):
@@ -136,6 +143,10 @@ class ReplayCache:
                 self._entries.popitem(last=False)
         cache_log.debug("miss %s (%d steps): compiled a new replay", plan.key, plan.num_steps)
         return entry
+
+    def discard(self, config: Config, key: str) -> None:
+        with self._lock:
+            self._entries.pop((config, key), None)
 
     def info(self) -> CacheInfo:
         return CacheInfo(self.hits, self.misses, len(self._entries), self.maxsize)

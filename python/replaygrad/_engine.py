@@ -154,14 +154,44 @@ def _on_engine_call(call: Any) -> tuple[torch.Tensor | None, ...] | None:
     return _replay(config, plan)
 
 
-def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]:
+def _compile_failure(error: BaseException) -> bool:
+    """Errors that mean Dynamo or the backend failed on a replay, not the backward itself."""
+    return isinstance(error, torch._dynamo.exc.TorchDynamoException)
+
+
+def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...] | None:
     plan_log.debug("plan:\n%s", Lazy(lambda: table(plan)))
     entry = cache.get(plan, config)
+    if entry.failed:
+        _leave_to_engine(f"compiling the replay of plan {plan.key} failed before")
+        return None
     grads = plan.root_grads()
     saved = plan.saved_values()
     hooks = plan.hook_functions()
-    with running(plan), torch.no_grad():
-        returned, captured = entry.compiled(grads, saved, hooks)
+    try:
+        with running(plan), torch.no_grad():
+            returned, captured = entry.compiled(grads, saved, hooks)
+    except BaseException as error:  # KeyboardInterrupt too: leave no untested entry behind
+        if not _compile_failure(error):
+            if entry.calls == 0:
+                cache.discard(config, plan.key)  # no entry that never completed a call
+            raise
+        if config.fallback == "eager":
+            log.warning(
+                "replaygrad: compiling the replay of plan %s failed (%s: %s); this and later "
+                "calls with this plan run in the engine",
+                plan.key,
+                type(error).__name__,
+                str(error).splitlines()[0] if str(error) else "",
+            )
+            entry.failed = True
+            return None
+        cache.discard(config, plan.key)
+        error.add_note(
+            f"replaygrad: while compiling the replay of plan {plan.key} with "
+            f"{config.compiler!r}; enable(..., fallback='eager') runs such calls in the engine"
+        )
+        raise
     del saved
     # run_deferred empties the list: a gradient held by nothing else can then be stolen by
     # AccumulateGrad rather than copied, as in the engine.

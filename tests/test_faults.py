@@ -1,0 +1,117 @@
+"""Faults mid-replay lose nothing: exceptions reach the caller unchanged, the graph's saved
+values are intact afterwards, the cache keeps no entry that never worked, and compile
+failures are reported with the plan's key (or sent to the engine with fallback='eager')."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import replaygrad
+
+from conftest import FAST_COMPILERS
+
+
+class Boom(Exception):
+    pass
+
+
+def graph():
+    x = torch.randn(4, requires_grad=True)
+    w = torch.randn(4, requires_grad=True)
+    h = (x * w).exp()
+    return x, w, h, (h.sin() * x).sum()
+
+
+def expected_grads(x, w):
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    h = (x2 * w2).exp()
+    (h.sin() * x2).sum().backward()
+    return x2.grad, w2.grad
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+@pytest.mark.parametrize("error", [Boom("hook failed"), KeyboardInterrupt()])
+def test_hook_raising_mid_replay_leaves_the_graph_intact(compiler, error):
+    x, w, h, loss = graph()
+
+    def hook(g):
+        raise error
+
+    handle = h.register_hook(hook)
+    with pytest.raises(type(error)):
+        replaygrad.backward(loss, retain_graph=True, compiler=compiler)
+    assert replaygrad.cache_info().size == 0, "no entry that never completed a call"
+    handle.remove()
+    x.grad = w.grad = None
+    # Every saved value was swapped back: the engine gets the right gradients.
+    loss.backward()
+    ex, ew = expected_grads(x, w)
+    torch.testing.assert_close(x.grad, ex)
+    torch.testing.assert_close(w.grad, ew)
+
+
+def test_custom_function_raising_reaches_the_caller():
+    class Failing(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            raise Boom("backward failed")
+
+    x = torch.randn(3, requires_grad=True)
+    loss = (Failing.apply(x.exp()) * x).sum()
+    with pytest.raises(Boom, match="backward failed"):
+        replaygrad.backward(loss, retain_graph=True, compiler="aot_eager")
+    with pytest.raises(Boom):
+        loss.backward()
+
+
+def failing_backend(gm, example_inputs):
+    raise RuntimeError("the backend broke")
+
+
+def test_compile_failure_names_the_plan():
+    x, w, _h, loss = graph()
+    key = replaygrad.plan(loss).key
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        replaygrad.backward(loss, compiler=torch.compile(backend=failing_backend))
+    assert any(key in note for note in info.value.__notes__)
+    assert x.grad is None and w.grad is None
+    assert replaygrad.cache_info().size == 0
+
+
+def test_compile_failure_falls_back_to_the_engine(caplog):
+    compiled = torch.compile(backend=failing_backend)
+    caplog.set_level(logging.WARNING, logger="replaygrad")
+    for _ in range(2):
+        x, w, _h, loss = graph()
+        replaygrad.backward(loss, compiler=compiled, fallback="eager")
+        ex, ew = expected_grads(x, w)
+        torch.testing.assert_close(x.grad, ex)
+        torch.testing.assert_close(w.grad, ew)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "failed" in warnings[0].getMessage()
+    assert replaygrad.cache_info().size == 1  # remembered as failed: no second compile
+
+
+def test_compiler_callable_that_raises_or_returns_garbage():
+    def raising(fn):
+        raise Boom("no compiler today")
+
+    x, w, _h, loss = graph()
+    with pytest.raises(Boom):
+        replaygrad.backward(loss, retain_graph=True, compiler=raising)
+    with pytest.raises(TypeError, match="not a callable"):
+        replaygrad.backward(loss, compiler=lambda fn: 42)
+    assert x.grad is None and w.grad is None
+
+
+def test_bad_fallback_value():
+    with pytest.raises(ValueError, match="fallback must be"):
+        with replaygrad.enable(compiler=None, fallback="retry"):
+            pass

@@ -1,0 +1,59 @@
+"""Nothing outlives its graph: the cache and the replay keep no tensors, nodes or models alive,
+and a training loop's memory stays flat."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+import weakref
+
+import pytest
+import torch
+
+import replaygrad
+
+from conftest import COMPILERS
+
+
+def live_tensor_count() -> int:
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance() on some torch module objects warns
+        warnings.simplefilter("ignore")
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_model_graph_and_saved_values_are_freed(compiler):
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
+    x = torch.randn(3, 6, requires_grad=True)
+    hidden = model[0](x)
+    loss = model[2](model[1](hidden)).sum()
+    # x and the weights are saved by the graph's AddmmBackward nodes.
+    refs = [weakref.ref(t) for t in (*model.parameters(), x, hidden)]
+    replaygrad.backward(loss, compiler=compiler)
+    del model, x, hidden, loss
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * len(refs)
+    assert replaygrad.cache_info().size == 1  # the replay itself stays cached
+
+
+@pytest.mark.parametrize("compiler", [None, "aot_eager"])
+def test_training_loop_memory_is_flat(compiler):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step():
+        opt.zero_grad()
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+
+    with replaygrad.enable(compiler):
+        for _ in range(5):  # warm up: compile, optimizer state
+            step()
+        before = live_tensor_count()
+        for _ in range(50):
+            step()
+        after = live_tensor_count()
+    assert after <= before, f"live tensors grew from {before} to {after}"
+    info = replaygrad.cache_info()
+    assert info.size == 1 and info.hits == 54
