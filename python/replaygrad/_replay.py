@@ -203,7 +203,7 @@ def generate_source(plan: _core.Plan) -> str:
     """Straight-line source for ``replay(grads, saved, hooks) -> (deferred, captured)``."""
     steps = plan.steps()
     deferred = {(step, pos) for step, _kind, pos in plan.deferred()}
-    last_use = _last_uses(steps)
+    dying = _dying_after(steps)
 
     out = ["def replay(grads, saved, hooks):", "    deferred = []"]
     out.append(f"    captured = [None] * {plan.num_captures}")
@@ -252,7 +252,7 @@ def generate_source(plan: _core.Plan) -> str:
             else:
                 out.append(f"    o{s} = cpp_post_hook({s}, {pos}, o{s}, i)")
         # Drop gradients once their last consumer ran, as the engine's buffers do.
-        dead = [f"o{p}" for p, last in last_use.items() if last == s and _has_outputs(steps[p])]
+        dead = [f"o{p}" for p in dying.get(s, ()) if _has_outputs(steps[p])]
         if dead:
             out.append(f"    del {', '.join(dead)}")
     out.append("    return deferred, captured")
@@ -272,8 +272,8 @@ def _slot_expr(sources: list[tuple[int, int]]) -> str:
     return f"buffer_sum({', '.join(terms)})"
 
 
-def _last_uses(steps: list) -> dict[int, int]:
-    """For each step's outputs, the last step that reads them."""
+def _dying_after(steps: list) -> dict[int, list[int]]:
+    """For each step, the steps whose outputs it is the last to read."""
     last: dict[int, int] = {}
     for s, step in enumerate(steps):
         last.setdefault(s, s)
@@ -281,7 +281,10 @@ def _last_uses(steps: list) -> dict[int, int]:
             for src, _ in sources:
                 if src >= 0:
                     last[src] = max(last.get(src, s), s)
-    return last
+    dying: dict[int, list[int]] = {}
+    for producer, consumer in sorted(last.items()):
+        dying.setdefault(consumer, []).append(producer)
+    return dying
 
 
 def build(plan: _core.Plan) -> Replay:
