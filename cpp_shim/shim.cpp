@@ -131,6 +131,17 @@ constexpr const char* kPyTensorPreHook = "N5torch8autograd23PyFunctionTensorPreH
 constexpr const char* kPyPreHook = "N5torch8autograd17PyFunctionPreHookE";
 constexpr const char* kPyPostHook = "N5torch8autograd18PyFunctionPostHookE";
 
+constexpr const char* kPyPostAccGradHooks = "N5torch8autograd32PyFunctionTensorPostAccGradHooksE";
+
+// A Python hook's dict of callables is empty once every hook in it was removed through its
+// handle: the hook does nothing, as if it were not there.
+bool dict_is_empty(PyObject* dict) {
+  PyGILState_STATE gil = PyGILState_Ensure();
+  bool empty = PyDict_Size(dict) == 0;
+  PyGILState_Release(gil);
+  return empty;
+}
+
 template <typename T>
 bool type_is(const T& obj, const char* mangled) {
   return std::strcmp(typeid(obj).name(), mangled) == 0;
@@ -451,7 +462,11 @@ rg_status rg_node_get_info(rg_node* n, rg_node_info* info) {
   info->num_retains_grad_hooks = static_cast<uint32_t>(node.retains_grad_hooks().size());
   info->num_pre_hooks = static_cast<uint32_t>(node.pre_hooks().size());
   info->num_post_hooks = static_cast<uint32_t>(node.post_hooks().size());
-  info->has_post_acc_grad_hooks = node.tensor_post_acc_grad_hooks() != nullptr;
+  const auto& post_acc = node.tensor_post_acc_grad_hooks();
+  info->has_post_acc_grad_hooks =
+      post_acc != nullptr &&
+      !(type_is(*post_acc, kPyPostAccGradHooks) &&
+        dict_is_empty(static_cast<torch::autograd::PyFunctionTensorPostAccGradHooks*>(post_acc.get())->dict));
   RG_CATCH
 }
 
@@ -564,7 +579,7 @@ rg_status rg_node_hook_dict(rg_node* n, int kind, size_t i, int* is_python, PyOb
       return fail(RG_KIND_VALUE, "rg_node_hook_dict: unknown hook kind");
   }
   if (is_python) {
-    *is_python = found != nullptr;
+    *is_python = found == nullptr ? 0 : (dict_is_empty(found) ? 2 : 1);
   }
   if (found && dict) {
     Py_INCREF(found);
@@ -640,6 +655,79 @@ void rg_collector_free(rg_collector* c) {
   delete c;
 }
 
+// Whether `v` is an immutable plain value whose repr identifies it.
+static bool is_plain_value(PyObject* v) {
+  if (v == Py_None || PyBool_Check(v) || PyLong_Check(v) || PyFloat_Check(v) ||
+      PyComplex_Check(v) || PyUnicode_Check(v) || PyBytes_Check(v)) {
+    return true;
+  }
+  if (PyTuple_Check(v)) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(v); ++i) {
+      if (!is_plain_value(PyTuple_GET_ITEM(v, i))) {
+        return false;
+      }
+    }
+    return true;
+  }
+  return false;
+}
+
+// A Python Function's backward may read whatever its forward put on ctx, and a compiled
+// replay bakes in what it read; compiled_args keys only the saved tensors. So the ctx's
+// attributes join the key when they are plain values (name, type and repr); with any other
+// value (a tensor kept outside save_for_backward, an object) the node runs as itself.
+static bool append_ctx_state(PyObject* ctx, std::vector<uint8_t>& key) {
+  if (!ctx) {
+    return false;
+  }
+  PyGILState_STATE gil = PyGILState_Ensure();
+  bool plain = true;
+  PyObject* dict = PyObject_GenericGetDict(ctx, nullptr);
+  if (!dict) {
+    PyErr_Clear();
+    plain = false;
+  } else {
+    PyObject* name;
+    PyObject* value;
+    Py_ssize_t pos = 0;
+    while (plain && PyDict_Next(dict, &pos, &name, &value)) {
+      if (!PyUnicode_Check(name) || !is_plain_value(value)) {
+        plain = false;
+        break;
+      }
+      THPObjectPtr repr(PyObject_Repr(value));
+      const char* type = Py_TYPE(value)->tp_name;
+      const char* n = PyUnicode_AsUTF8(name);
+      const char* r = repr ? PyUnicode_AsUTF8(repr.get()) : nullptr;
+      if (!n || !r) {
+        PyErr_Clear();
+        plain = false;
+        break;
+      }
+      for (const char* part : {n, type, r}) {
+        key.insert(key.end(), part, part + std::strlen(part) + 1);
+      }
+    }
+    Py_DECREF(dict);
+  }
+  PyGILState_Release(gil);
+  return plain;
+}
+
+// A saved value as a replay input: detached from the graph, but reporting requires_grad as
+// the unpacked original does (backward formulas such as linalg_solve_backward ask
+// `A.requires_grad()` to decide which gradients to compute).
+static at::Tensor detached_value(const at::Tensor& unpacked) {
+  if (!unpacked.defined()) {
+    return unpacked;
+  }
+  at::Tensor value = unpacked.detach();
+  if (unpacked.requires_grad()) {
+    value.set_requires_grad(true);
+  }
+  return value;
+}
+
 rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t* n_saved,
                              const uint8_t** key, size_t* key_len, const int64_t** sizes,
                              size_t* n_sizes) {
@@ -658,20 +746,27 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
   auto node_ptr = node.getptr();
   auto& node_call = compiler.node_calls.lookup(node_ptr);
   CompiledNodeArgs args(compiler, node_call);
-  try {
-    node.compiled_args(args);
-  } catch (const c10::NotImplementedError&) {
-    // A node type that does not describe its state (e.g. a third-party Node subclass):
-    // it can only run as itself.
+  auto opaque = [&] {
     *supported = 0;
     *key_len = 0;
     *n_sizes = 0;
     unpacked.clear();
     compiler.sv_to_hooks.clear();
     return RG_OK;
+  };
+  try {
+    node.compiled_args(args);
+  } catch (const c10::NotImplementedError&) {
+    // A node type that does not describe its state (e.g. a third-party Node subclass):
+    // it can only run as itself.
+    return opaque();
   }
   auto node_key = args.key();
   c->key.assign(node_key.key, node_key.key + node_key.key_size);
+  if (kind_of(node) == RG_NODE_PYTHON &&
+      !append_ctx_state(static_cast<torch::autograd::PyNode&>(node).pyobj(), c->key)) {
+    return opaque();
+  }
   for (size_t i = sizes_before; i < compiler.all_size_inputs.size(); ++i) {
     c->sizes.push_back(compiler.all_size_inputs[i].value);
   }
@@ -695,16 +790,15 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
     const TensorArg* arg = unpacked.at(sv);
     at::Tensor value;
     if (arg->defined()) {
-      value = compiler.tensor_args.inputs[arg->index()].detach();
+      value = detached_value(compiler.tensor_args.inputs[arg->index()]);
     }
     c->svs.push_back(sv);
     c->values.push_back(std::move(value));
   }
   for (const auto& [hook_id, sv] : hooked) {
     // Unpacking runs the user's unpack hook, as the node itself would.
-    at::Tensor value = sv->unpack(node_ptr);
     c->svs.push_back(sv);
-    c->values.push_back(value.defined() ? value.detach() : value);
+    c->values.push_back(detached_value(sv->unpack(node_ptr)));
   }
   *n_saved = plain.size() + hooked.size();
   *key = c->key.data();

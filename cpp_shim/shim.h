@@ -108,9 +108,10 @@ typedef enum {
   RG_HOOK_RETAINS_GRAD = 3, // retains_grad_hooks()[i]: i is the output index it watches
 } rg_hook_kind;
 
-// Whether a hook is a Python hook (backed by a dict of callables), the dict itself (a new
-// reference; pass dict = NULL to skip it, e.g. without Python) and, for tensor pre-hooks,
-// the input it watches (-1 otherwise). A C++ hook (e.g. retain_grad()) has no dict.
+// Whether a hook is a Python hook backed by a dict of callables (is_python 1, or 2 when the
+// dict is empty: every hook in it was removed), the dict itself (a new reference; pass
+// dict = NULL to skip it, e.g. without Python) and, for tensor pre-hooks, the input it
+// watches (-1 otherwise). A C++ hook (e.g. retain_grad()) has no dict (is_python 0).
 rg_status rg_node_hook_dict(rg_node* node, int kind, size_t i, int* is_python, PyObject** dict,
                             int64_t* value_idx);
 // The outputs (sorted) that carry a retains_grad hook.

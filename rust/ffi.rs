@@ -419,8 +419,8 @@ impl NodeRef {
     }
 
     /// Whether hook `i` of `kind` is a Python hook and, for tensor pre-hooks, the input it
-    /// watches. Touches no Python object.
-    pub fn hook_kind(&self, kind: HookKind, i: usize) -> Result<(bool, Option<u32>), ShimError> {
+    /// watches; None for a Python hook whose callables were all removed (it does nothing).
+    pub fn hook_kind(&self, kind: HookKind, i: usize) -> Result<Option<(bool, Option<u32>)>, ShimError> {
         let mut is_python = 0;
         let mut value_idx = -1i64;
         // SAFETY: the node is alive while self is; a null dict pointer asks for no object.
@@ -434,7 +434,7 @@ impl NodeRef {
                 &mut value_idx,
             )
         })?;
-        Ok((is_python != 0, u32::try_from(value_idx).ok()))
+        Ok((is_python != 2).then(|| (is_python != 0, u32::try_from(value_idx).ok())))
     }
 
     /// The dict of callables behind Python hook `i` of `kind` (a new reference), None for

@@ -80,7 +80,9 @@ fn hooks_of(
 ) -> Result<(), ShimError> {
     let counts = graph.nodes[n as usize].hooks;
     for i in 0..counts.tensor_pre {
-        let (python, value_idx) = node.hook_kind(HookKind::TensorPre, i as usize)?;
+        let Some((python, value_idx)) = node.hook_kind(HookKind::TensorPre, i as usize)? else {
+            continue;
+        };
         out.push(HookRef {
             kind: HookKind::TensorPre,
             index: i,
@@ -102,7 +104,9 @@ fn hooks_of(
         return Ok(());
     }
     for i in 0..counts.pre {
-        let (python, _) = node.hook_kind(HookKind::Pre, i as usize)?;
+        let Some((python, _)) = node.hook_kind(HookKind::Pre, i as usize)? else {
+            continue;
+        };
         out.push(HookRef {
             kind: HookKind::Pre,
             index: i,
@@ -111,7 +115,9 @@ fn hooks_of(
         });
     }
     for i in 0..counts.post {
-        let (python, _) = node.hook_kind(HookKind::Post, i as usize)?;
+        let Some((python, _)) = node.hook_kind(HookKind::Post, i as usize)? else {
+            continue;
+        };
         out.push(HookRef {
             kind: HookKind::Post,
             index: i,

@@ -29,22 +29,24 @@ impl Plan {
     /// Plans the backward from root edges (the gradient edges of the root tensors), over
     /// the whole graph (`.backward()`).
     pub fn build(roots: &[(NodeRef, u32)]) -> Result<Plan, ShimError> {
-        Plan::build_for(roots, None, true, false)
+        Plan::build_for(roots, None, true)
     }
 
     /// Plans a backward with respect to `outputs` (the edges of `inputs=`, None for an
     /// input without a node), accumulating into them (`backward(inputs=)`) or capturing
-    /// their gradients (`autograd.grad`). `graph_root`: the engine runs the roots from a
-    /// GraphRoot node (always so under the engine hook).
+    /// their gradients (`autograd.grad`).
+    ///
+    /// The schedule is the one of an engine without a compiled-autograd hook (a single
+    /// root is queued directly, not through a GraphRoot), even when the call came through
+    /// replaygrad's hook, whose presence makes the engine build a GraphRoot.
     pub fn build_for(
         roots: &[(NodeRef, u32)],
         outputs: Option<&[Option<(NodeRef, u32)>]>,
         accumulate_grad: bool,
-        graph_root: bool,
     ) -> Result<Plan, ShimError> {
         let snapshot = snapshot(roots, outputs.unwrap_or(&[]))?;
         let exec = outputs.map(|_| ExecInfo::new(&snapshot.graph, accumulate_grad));
-        let schedule = schedule(&snapshot.graph, exec.as_ref(), graph_root);
+        let schedule = schedule(&snapshot.graph, exec.as_ref(), false);
         let layout = layout(&snapshot, &schedule)?;
         Ok(Plan {
             snapshot,
@@ -188,11 +190,13 @@ impl Plan {
         Ok(())
     }
 
-    /// Frees every executed node's saved variables, as the engine does without
-    /// retain_graph.
+    /// Frees the saved variables of every node that ran, as the engine does without
+    /// retain_graph (a step popped only to capture keeps them).
     pub fn release_variables(&self) -> Result<(), ShimError> {
-        for &n in &self.schedule.steps {
-            self.snapshot.handles[n as usize].release_variables()?;
+        for (&n, &needed) in self.schedule.steps.iter().zip(&self.schedule.needed) {
+            if needed {
+                self.snapshot.handles[n as usize].release_variables()?;
+            }
         }
         Ok(())
     }

@@ -450,7 +450,7 @@ fn plan(
         }
     };
     Ok(PyPlan {
-        plan: Plan::build_for(&edges, outputs.as_deref(), accumulate_grad, true)?,
+        plan: Plan::build_for(&edges, outputs.as_deref(), accumulate_grad)?,
         call: None,
     })
 }
@@ -464,7 +464,7 @@ fn plan_engine_call(call: &Bound<'_, PyAny>) -> PyResult<Option<PyPlan>> {
     if call.create_graph {
         return Ok(None);
     }
-    let plan = Plan::build_for(&call.roots, call.outputs.as_deref(), call.accumulate_grad, true)?;
+    let plan = Plan::build_for(&call.roots, call.outputs.as_deref(), call.accumulate_grad)?;
     Ok(Some(PyPlan {
         plan,
         call: Some(CallData {

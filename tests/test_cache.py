@@ -55,3 +55,25 @@ def test_python_scalars_of_tensor_ops_are_inputs_not_key():
         replaygrad.backward((w * w * k).sum(), compiler="aot_eager")
         torch.testing.assert_close(w.grad, 2 * k * w.detach())
     assert len(cache) == 1
+
+
+def test_hook_with_a_python_side_effect_stops_recompiling():
+    # Dynamo guards on len(seen) when it traces the hook: each call would recompile until
+    # the recompile limit. replaygrad moves the hooks out of the graph at the first
+    # recompile of a cached replay, after which nothing recompiles.
+    from torch._dynamo.utils import counters
+
+    seen = []
+    w = torch.randn(8, requires_grad=True)
+    graphs = []
+    for i in range(12):
+        h = (w * 2).sin()
+        expected = torch.autograd.grad(h.sum(), w, retain_graph=True)[0]
+        h.register_hook(lambda g: seen.append(g.sum().item()))
+        w.grad = None
+        replaygrad.backward(h.sum(), compiler="aot_eager")
+        torch.testing.assert_close(w.grad, expected)
+        graphs.append(counters["stats"]["unique_graphs"])
+        assert len(seen) == i + 1
+    assert graphs[2:] == [graphs[2]] * 10, graphs
+    assert cache.misses == 1

@@ -122,13 +122,8 @@ def test_accumulate_grad_steals_gradient_seen_by_post_hook():
 # With one root edge and no compiled-autograd hook, Engine::execute skips the GraphRoot and
 # queues the root node itself whatever exec_info says; evaluate_function then runs its
 # tensor pre-hooks and retain_grad hooks (and captures) before skipping it as not needed.
-# replaygrad's plan_engine_call always plans with graph_root=true (the engine it runs in has
-# a GraphRoot because replaygrad occupies the compiled-autograd slot), so an unneeded root
-# node is never popped. schedule() already models the single-root case (graph_root=false).
-SINGLE_ROOT = (
-    "plan_engine_call always plans a GraphRoot (graph_root=true); eager queues a single "
-    "root node even when exec_info does not need it, running its tensor/retain_grad hooks"
-)
+# replaygrad's hook makes the engine build a GraphRoot, so plans model the engine without
+# one (fixed: Plan::build_for schedules with graph_root=false).
 
 
 def _hooks_of_unneeded_root(backward: Callable) -> tuple[list[str], torch.Tensor | None]:
@@ -142,7 +137,6 @@ def _hooks_of_unneeded_root(backward: Callable) -> tuple[list[str], torch.Tensor
     return calls, h.grad
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=SINGLE_ROOT)
 def test_single_root_not_needed_runs_its_tensor_hooks():
     calls, grad = _hooks_of_unneeded_root(eager_backward)
     eager_fact(calls == ["h"] and grad is not None, "eager runs the root's tensor hooks")
@@ -161,7 +155,6 @@ def _hooks_of_unneeded_root_grad(grad_fn: Callable) -> list[str]:
     return calls
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=SINGLE_ROOT)
 def test_single_root_not_needed_runs_its_tensor_hooks_in_autograd_grad():
     eager_fact(_hooks_of_unneeded_root_grad(eager_grad) == ["h"], "eager runs the hook")
     assert _hooks_of_unneeded_root_grad(replay_grad) == ["h"]
@@ -250,15 +243,6 @@ def _dtype_hook_error(backward: Callable) -> str:
     return str(error.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "_replay._check_single_result names types with _type_string ('CPUFloat64Type') and "
-        "has its own device message; python_hook.cpp says 'was torch.DoubleTensor got "
-        "torch.FloatTensor' (and 'got MetaDoubleType' for a device change)"
-    ),
-)
 def test_hook_changing_dtype_raises_eagers_message():
     expected = _dtype_hook_error(eager_backward)
     eager_fact("torch.DoubleTensor" in expected, f"eager's message: {expected}")
@@ -410,15 +394,6 @@ def _error_of_traceable_function(backward: Callable) -> BaseException:
     return error.value
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "Dynamo runs apply_traced (allow_in_graph) on fake tensors while tracing; a traced "
-        "Function's backward error comes out as TorchRuntimeError, which _engine._replay "
-        "treats as a compile failure (raised, or rerun in the engine with fallback='eager')"
-    ),
-)
 def test_traceable_function_error_reaches_caller_when_compiled():
     expected = _error_of_traceable_function(eager_backward)
     eager_fact(type(expected) is ValueError, f"eager raised {expected!r}")
@@ -426,3 +401,26 @@ def test_traceable_function_error_reaches_caller_when_compiled():
         lambda *args: replaygrad.backward(*args, compiler="aot_eager")
     )
     assert type(got) is ValueError, f"replaygrad raised {type(got).__name__}"
+
+
+@pytest.mark.parametrize("change", ["dtype", "device", "layout", "size"])
+def test_hook_changing_the_gradient_raises_eagers_message(change):
+    def convert(grad):
+        if change == "dtype":
+            return grad.float()
+        if change == "device":
+            return grad.to("meta")
+        if change == "layout":
+            return grad.to_sparse()
+        return grad[:2]
+
+    def message(backward: Callable) -> str:
+        x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+        h = x * 2
+        h.register_hook(convert)
+        h.grad_fn.register_prehook(lambda grads: None)
+        with pytest.raises(RuntimeError) as error:
+            backward(h.sin().sum())
+        return str(error.value)
+
+    assert message(replay_backward) == message(eager_backward)

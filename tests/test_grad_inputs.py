@@ -105,3 +105,17 @@ def test_tensor_hooks_on_grad_inputs_run():
         seen.append(out[0])
     torch.testing.assert_close(seen[0], seen[2])
     torch.testing.assert_close(seen[1], seen[3])
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_grad_keeps_saved_values_of_nodes_it_did_not_run(compiler):
+    # Without retain_graph the engine frees the saved values of the nodes it ran, and only
+    # those: the branch to c was not needed, so a later backward through it still works.
+    a, c = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    w = c.exp()
+    z = (a.sin() * 2 + w).sum()
+    replaygrad.grad(z, [a], compiler=compiler)
+    (got,) = replaygrad.grad(w.sum(), [c], compiler=compiler)
+    torch.testing.assert_close(got, c.exp())
+    with pytest.raises(RuntimeError, match="second time"):
+        replaygrad.grad(z, [a], compiler=compiler)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import replaygrad
+
 from conftest import COMPILERS, compare_training
 
 
@@ -39,3 +41,15 @@ def test_mlp(compiler):
 @pytest.mark.parametrize("compiler", COMPILERS)
 def test_convnet(compiler):
     compare_training(convnet, lambda: torch.randn(4, 3, 8, 8), compiler)
+
+
+@pytest.mark.parametrize("compiler", [None, "aot_eager"])
+def test_saved_values_report_requires_grad_as_eager(compiler):
+    # linalg_solve_backward computes A's gradient only if the saved A requires grad.
+    a = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, 2, dtype=torch.float64, requires_grad=True)
+    loss = torch.linalg.solve(a, b).sin().sum()
+    expected = torch.autograd.grad(loss, [a, b], retain_graph=True)
+    replaygrad.backward(loss, compiler=compiler)
+    torch.testing.assert_close(a.grad, expected[0])
+    torch.testing.assert_close(b.grad, expected[1])

@@ -31,6 +31,10 @@ class Config:
     #: the same plan) instead of raising.
     fallback: str | None = None
 
+    @property
+    def fullgraph(self) -> bool:
+        return bool(dict(self.options).get("fullgraph", False))
+
     @staticmethod
     def make(compiler: Compiler, options: dict[str, Any], fallback: str | None = None) -> Config:
         check_compiler(compiler)
@@ -89,6 +93,8 @@ class Entry:
     calls: int = 0
     #: Compiling failed and the config's fallback sends this plan to the engine.
     failed: bool = False
+    #: Python hooks are traced into the graph (until Dynamo recompiles because of them).
+    hooks_in_graph: bool = True
 
 
 class CacheInfo(NamedTuple):
@@ -143,6 +149,24 @@ class ReplayCache:
                 self._entries.popitem(last=False)
         cache_log.debug("miss %s (%d steps): compiled a new replay", plan.key, plan.num_steps)
         return entry
+
+    def move_hooks_outside(self, entry: Entry, plan: _core.Plan, config: Config) -> None:
+        """Rebuilds ``entry`` with its Python hooks called through graph breaks.
+
+        Dynamo guards on the Python state a traced hook reads (e.g. the length of a list it
+        appends to), so such a hook makes every call recompile until Dynamo's recompile
+        limit, after which it stops compiling. Run outside the graph, hooks are plain
+        Python calls between compiled regions, with nothing to guard on.
+        """
+        recompiles_log.info(
+            "replay %s recompiled on a cache hit: its Python hooks touch state Dynamo guards "
+            "on; running them outside the compiled graph from now on",
+            plan.key,
+        )
+        replay = build(plan, hooks_in_graph=False)
+        entry.replay = replay
+        entry.compiled = _compile(replay.fn, config)
+        entry.hooks_in_graph = False
 
     def discard(self, config: Config, key: str) -> None:
         with self._lock:

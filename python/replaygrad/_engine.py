@@ -24,7 +24,7 @@ from . import _core
 from ._compile import Config, cache
 from ._explain import table
 from ._logging import Lazy, log, plan_log
-from ._replay import running
+from ._replay import node_error, running
 
 _tls = threading.local()
 _install_lock = threading.Lock()
@@ -144,14 +144,41 @@ def _on_engine_call(call: Any) -> tuple[torch.Tensor | None, ...] | None:
     config = current_config()
     if config is None:
         return None
-    if torch._C._are_functorch_transforms_active():
-        _leave_to_engine("a functorch transform (vmap/grad) is active")
+    reason = _engine_only_reason()
+    if reason is not None:
+        _leave_to_engine(reason)
         return None
-    plan = _core.plan_engine_call(call)
+    try:
+        plan = _core.plan_engine_call(call)
+    except RuntimeError as error:
+        # A saved value that cannot be unpacked (released graph, modified in place, an
+        # unpack hook raising): the engine raises it where eager does, after running the
+        # nodes (and their hooks and accumulations) that come before.
+        log.debug("replaygrad: planning failed, the engine runs the call: %s", error)
+        _leave_to_engine("planning the call raised; the engine raises it where eager does")
+        return None
     if plan is None:
         _leave_to_engine("create_graph=True (higher-order gradients)")
         return None
     return _replay(config, plan)
+
+
+def _engine_only_reason() -> str | None:
+    """Why this call must run in the engine itself, if it must."""
+    if torch._C._are_functorch_transforms_active():
+        return "a functorch transform (vmap/grad) is active"
+    if torch.is_anomaly_enabled():
+        # The engine's per-node NaN checks and "Error detected in" context.
+        return "anomaly detection is enabled"
+    if torch._C._len_torch_dispatch_stack() > 0:
+        # The user's mode must see the backward's ops, and only those.
+        return "a TorchDispatchMode is active"
+    return None
+
+
+def _graphs_compiled() -> int:
+    """Graphs Dynamo compiled in this process so far."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def _compile_failure(error: BaseException) -> bool:
@@ -168,13 +195,17 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
     grads = plan.root_grads()
     saved = plan.saved_values()
     hooks = plan.hook_functions()
+    graphs = _graphs_compiled()
     try:
         with running(plan), torch.no_grad():
             returned, captured = entry.compiled(grads, saved, hooks)
     except BaseException as error:  # KeyboardInterrupt too: leave no untested entry behind
-        if not _compile_failure(error):
+        raised = node_error(error)
+        if raised is not None or not _compile_failure(error):
             if entry.calls == 0:
                 cache.discard(config, plan.key)  # no entry that never completed a call
+            if raised is not None and raised is not error:
+                raise raised.with_traceback(raised.__traceback__) from None
             raise
         if config.fallback == "eager":
             log.warning(
@@ -199,6 +230,14 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
     del returned
     plan.run_deferred(deferred)
     entry.calls += 1
+    if (
+        hooks
+        and entry.calls > 1
+        and entry.hooks_in_graph
+        and not config.fullgraph
+        and _graphs_compiled() > graphs
+    ):
+        cache.move_hooks_outside(entry, plan, config)
     if not plan.keep_graph:
         plan.release_variables()
     return () if plan.accumulate_grad else tuple(captured)

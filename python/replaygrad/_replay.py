@@ -54,7 +54,41 @@ def apply_traced(step: int, inputs: list, saved: list) -> tuple:
     In the graph, Dynamo does not look inside (so no guard on the node); AOTAutograd and
     the eager backend call it with the values being traced or run.
     """
-    return current_plan().apply(step, inputs, saved)
+    try:
+        return current_plan().apply(step, inputs, saved)
+    except Exception as error:
+        if not isinstance(error, _TRACING_LIMITS):
+            error.__replaygrad_node_error__ = True  # type: ignore[attr-defined]
+        raise
+
+
+# What a node raises when it is run on fake tensors it cannot handle: a limit of tracing,
+# not an error of the backward itself.
+_TRACING_LIMITS = (
+    torch._dynamo.exc.TorchDynamoException,
+    torch._subclasses.fake_tensor.DataDependentOutputException,
+    torch._subclasses.fake_tensor.DynamicOutputShapeException,
+    torch._subclasses.fake_tensor.UnsupportedOperatorException,
+    torch._subclasses.fake_tensor.UnsupportedFakeTensorException,
+    torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode,
+)
+
+
+def node_error(error: BaseException) -> BaseException | None:
+    """The error a traced node raised, if ``error`` (from compiling a replay) wraps one.
+
+    Dynamo runs traced steps on fake tensors while it compiles; an error of the node's
+    backward (e.g. a custom Function raising) would happen when run eagerly too, so it is
+    the caller's error, not a compile failure.
+    """
+    seen = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if getattr(cause, "__replaygrad_node_error__", False):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 @torch._dynamo.disable
@@ -82,8 +116,13 @@ def _hook_name(fn: object) -> str:
 
 
 def _type_string(t: torch.Tensor) -> str:
-    # at::Tensor::toString(), e.g. "CPUFloatType".
-    return t.device.type.upper() + str(t.dtype).split(".")[-1].capitalize() + "Type"
+    """at::TensorBase::toString(): the legacy type name on CPU and CUDA
+    ("torch.DoubleTensor", "torch.sparse.FloatTensor"), "<Device><Scalar>Type" elsewhere."""
+    legacy = t.type()
+    if t.device.type in ("cpu", "cuda"):
+        return legacy
+    scalar = legacy.rsplit(".", 1)[-1].removesuffix("Tensor")
+    return f"{t.device.type.capitalize()}{scalar}Type"
 
 
 def _check_single_result(original: Any, result: Any, fn: object) -> None:
@@ -95,15 +134,14 @@ def _check_single_result(original: Any, result: Any, fn: object) -> None:
     if not isinstance(result, torch.Tensor):
         raise TypeError(f"expected Variable, but hook returned '{type(result).__name__}'")
     name = _hook_name(fn)
-    if result.dtype != original.dtype or result.layout != original.layout:
+    if (
+        result.dtype != original.dtype
+        or result.layout != original.layout
+        or result.device.type != original.device.type
+    ):
         raise RuntimeError(
             f"hook '{name}' has changed the type of value (was {_type_string(original)} "
             f"got {_type_string(result)})"
-        )
-    if result.device.type != original.device.type:
-        raise RuntimeError(
-            f"hook '{name}' has changed the type of value (was "
-            f"{original.device.type.upper()} tensor got {result.device.type.upper()} tensor)"
         )
     if result.shape != original.shape:
         raise RuntimeError(f"hook '{name}' has changed the size of value")
@@ -157,6 +195,12 @@ def post_hook(fns: Sequence[Callable], outputs: tuple, inputs: list) -> tuple:
     return values
 
 
+# Python hooks as graph breaks: Dynamo neither traces them nor guards on what they touch.
+tensor_pre_hook_outside = torch._dynamo.disable(tensor_pre_hook)
+pre_hook_outside = torch._dynamo.disable(pre_hook)
+post_hook_outside = torch._dynamo.disable(post_hook)
+
+
 # ---- input buffers -----------------------------------------------------------------------
 
 
@@ -195,12 +239,19 @@ _RUNTIME = {
     "tensor_pre_hook": tensor_pre_hook,
     "pre_hook": pre_hook,
     "post_hook": post_hook,
+    "tensor_pre_hook_outside": tensor_pre_hook_outside,
+    "pre_hook_outside": pre_hook_outside,
+    "post_hook_outside": post_hook_outside,
     "buffer_sum": buffer_sum,
 }
 
 
-def generate_source(plan: _core.Plan) -> str:
-    """Straight-line source for ``replay(grads, saved, hooks) -> (deferred, captured)``."""
+def generate_source(plan: _core.Plan, hooks_in_graph: bool = True) -> str:
+    """Straight-line source for ``replay(grads, saved, hooks) -> (deferred, captured)``.
+
+    ``hooks_in_graph=False`` calls Python hooks through graph breaks (``*_outside``).
+    """
+    where = "" if hooks_in_graph else "_outside"
     steps = plan.steps()
     deferred = {(step, pos) for step, _kind, pos in plan.deferred()}
     dying = _dying_after(steps)
@@ -227,10 +278,10 @@ def generate_source(plan: _core.Plan) -> str:
                 out.append(f"    deferred.append(i[{index}])")
             elif python and hook_kind == "tensor_pre":
                 v, h = value_idx, python_hook
-                out.append(f"    i[{v}] = tensor_pre_hook(hooks[{h}], i[{v}])")
+                out.append(f"    i[{v}] = tensor_pre_hook{where}(hooks[{h}], i[{v}])")
                 python_hook += 1
             elif python:
-                out.append(f"    i = pre_hook(hooks[{python_hook}], i)")
+                out.append(f"    i = pre_hook{where}(hooks[{python_hook}], i)")
                 python_hook += 1
             else:
                 out.append(f"    i = cpp_pre_hook({s}, {pos}, i)")
@@ -248,7 +299,7 @@ def generate_source(plan: _core.Plan) -> str:
             raise AssertionError(f"unknown step mode {mode!r}")
         for pos, python, h in post:
             if python:
-                out.append(f"    o{s} = post_hook(hooks[{h}], o{s}, i)")
+                out.append(f"    o{s} = post_hook{where}(hooks[{h}], o{s}, i)")
             else:
                 out.append(f"    o{s} = cpp_post_hook({s}, {pos}, o{s}, i)")
         # Drop gradients once their last consumer ran, as the engine's buffers do.
@@ -287,9 +338,9 @@ def _dying_after(steps: list) -> dict[int, list[int]]:
     return dying
 
 
-def build(plan: _core.Plan) -> Replay:
+def build(plan: _core.Plan, hooks_in_graph: bool = True) -> Replay:
     """Generates and executes the replay source of ``plan``."""
-    source = generate_source(plan)
+    source = generate_source(plan, hooks_in_graph)
     namespace: dict[str, Any] = dict(_RUNTIME)
     code = compile(source, f"<replaygrad replay {plan.key[:12]}>", "exec")
     exec(code, namespace)

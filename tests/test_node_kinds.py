@@ -1,0 +1,527 @@
+"""Kinds of backward nodes and gradient plumbing, against eager: Python autograd.Functions,
+checkpointing, compiled forwards, views and in-place ops, sparse and mixed-dtype gradients,
+the gradient layout contract, several roots, retained graphs and double backward.
+
+Each test builds its graph in ``run(backward)`` from a fixed seed and runs once with the
+engine and once with replaygrad; what the run logs and the gradients must match.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.utils.checkpoint import checkpoint
+
+import replaygrad
+
+from conftest import COMPILERS, FAST_COMPILERS, assert_replayed, grads_of
+
+
+def summary(value):
+    """A logged value: tensors cloned, sequences recursed, the rest as is."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (tuple, list)):
+        return tuple(summary(v) for v in value)
+    return value
+
+
+def assert_same(expected, got, exact: bool, where: str) -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor), f"{where}: {expected} vs {got}"
+        assert (expected.shape, expected.dtype, expected.layout) == (
+            got.shape,
+            got.dtype,
+            got.layout,
+        ), where
+        if expected.is_sparse:
+            expected, got = expected.to_dense(), got.to_dense()
+        if exact:
+            assert torch.equal(expected, got), f"{where}: {expected} vs {got}"
+        elif expected.dtype in (torch.float32, torch.float64):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=where)
+        else:
+            torch.testing.assert_close(got, expected, msg=where)
+    elif isinstance(expected, tuple):
+        assert isinstance(got, tuple) and len(got) == len(expected), f"{where}: {got}"
+        for k, (e, g) in enumerate(zip(expected, got)):
+            assert_same(e, g, exact, f"{where}[{k}]")
+    else:
+        assert expected == got, f"{where}: {expected!r} vs {got!r}"
+
+
+def eager_backward(*args, **kwargs):
+    torch.autograd.backward(*args, **kwargs)
+
+
+def replay_backward(compiler):
+    def backward(*args, **kwargs):
+        before = replaygrad.cache_info()
+        replaygrad.backward(*args, compiler=compiler, **kwargs)
+        assert_replayed(before)
+
+    return backward
+
+
+def compare(run, compiler) -> None:
+    """``run(backward) -> (log, grads)`` with the engine and with replaygrad."""
+    expected = run(eager_backward)
+    got = run(replay_backward(compiler))
+    exact = compiler is None
+    assert_same(tuple(expected[0]), tuple(got[0]), exact, "log")
+    assert_same(tuple(expected[1]), tuple(got[1]), exact, "grads")
+
+
+# ---- Python autograd.Functions -------------------------------------------------------------
+
+
+class ExpScale(torch.autograd.Function):
+    """Saves an input and its output; non-tensor inputs (a float, a list to log into) and a
+    ctx attribute; returns None for what needs no gradient."""
+
+    @staticmethod
+    def forward(ctx, x, w, scale, log):
+        y = x.exp() * scale
+        ctx.save_for_backward(x, y, w)
+        ctx.scale = scale
+        ctx.log = log
+        return y * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        _, y, w = ctx.saved_tensors
+        if ctx.log is not None:
+            ctx.log.append(("ExpScale", ctx.needs_input_grad, ctx.scale, summary(grad)))
+        gx = grad * y * w if ctx.needs_input_grad[0] else None
+        gw = grad * y if ctx.needs_input_grad[1] else None
+        return gx, gw, None, None
+
+
+class ExpScaleTraceable(ExpScale):
+    is_traceable = True
+
+
+class ExpScaleSetupContext(torch.autograd.Function):
+    """The same, in the forward/setup_context style."""
+
+    @staticmethod
+    def forward(x, w, scale, log):
+        return x.exp() * scale * w
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, w, scale, log = inputs
+        ctx.save_for_backward(x, w, output)
+        ctx.scale = scale
+        ctx.log = log
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, _, out = ctx.saved_tensors
+        if ctx.log is not None:
+            ctx.log.append(("setup_context", ctx.needs_input_grad, ctx.scale, summary(grad)))
+        gx = grad * out if ctx.needs_input_grad[0] else None
+        gw = grad * x.exp() * ctx.scale if ctx.needs_input_grad[1] else None
+        return gx, gw, None, None
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+@pytest.mark.parametrize("function", [ExpScale, ExpScaleTraceable, ExpScaleSetupContext])
+@pytest.mark.parametrize("w_requires_grad", [True, False])
+def test_function_saved_values_and_ctx(compiler, function, w_requires_grad):
+    def run(backward):
+        torch.manual_seed(0)
+        # A traced backward runs at trace time with fake tensors: log only opaque ones.
+        log = None if function is ExpScaleTraceable else []
+        x = torch.randn(3, 4, requires_grad=True)
+        w = torch.randn(4, requires_grad=w_requires_grad)
+        h = x * 2
+        out = function.apply(h, w, 1.5, log)
+        backward((out.sin() + h).sum())
+        return log or [], grads_of([x, w])
+
+    compare(run, compiler)
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+@pytest.mark.parametrize("materialize", [True, False])
+def test_function_outputs_one_unused(compiler, materialize):
+    # Without materialized grads the unused output's gradient reaches backward as None.
+    class Split(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, log):
+            ctx.set_materialize_grads(materialize)
+            ctx.log = log
+            return x * 2, x * 3, x * 4
+
+        @staticmethod
+        def backward(ctx, ga, gb, gc):
+            ctx.log.append(("Split", summary((ga, gb, gc))))
+            total = ga * 2 if ga is not None else torch.zeros(())
+            if gb is not None:
+                total = total + gb * 3
+            if gc is not None:
+                total = total + gc * 4
+            return total, None
+
+    def run(backward):
+        torch.manual_seed(0)
+        log = []
+        x = torch.randn(5, requires_grad=True)
+        a, _, c = Split.apply(x, log)
+        backward((a * c).sum())
+        return log, grads_of([x])
+
+    compare(run, compiler)
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_function_mark_non_differentiable(compiler):
+    class SortValues(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, log):
+            values, indices = x.sort()
+            ctx.mark_non_differentiable(indices)
+            ctx.save_for_backward(indices)
+            ctx.log = log
+            return values, indices
+
+        @staticmethod
+        def backward(ctx, grad_values, grad_indices):
+            (indices,) = ctx.saved_tensors
+            ctx.log.append(("SortValues", summary((grad_values, grad_indices))))
+            return torch.zeros_like(grad_values).scatter(0, indices, grad_values), None
+
+    def run(backward):
+        torch.manual_seed(0)
+        log = []
+        x = torch.randn(6, requires_grad=True)
+        values, indices = SortValues.apply(x * 1.0, log)
+        log.append(("indices", indices.requires_grad))
+        backward((values * torch.arange(6.0)).sum() + indices.float().sum())
+        return log, grads_of([x])
+
+    compare(run, compiler)
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_function_once_differentiable_and_mark_dirty(compiler):
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, log):
+            ctx.save_for_backward(x)
+            ctx.log = log
+            return x * x
+
+        @staticmethod
+        @once_differentiable
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            ctx.log.append(("Square", torch.is_grad_enabled(), summary(grad)))
+            return 2 * x * grad, None
+
+    class MulInPlace(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, k, log):
+            ctx.mark_dirty(x)
+            ctx.k = k
+            ctx.log = log
+            return x.mul_(k)
+
+        @staticmethod
+        def backward(ctx, grad):
+            ctx.log.append(("MulInPlace", summary(grad)))
+            return grad * ctx.k, None, None
+
+    def run(backward):
+        torch.manual_seed(0)
+        log = []
+        x = torch.randn(4, requires_grad=True)
+        h = x.sin()
+        out = MulInPlace.apply(h, 3.0, log)
+        log.append(("dirty", out is h, h.grad_fn.name()))
+        backward((Square.apply(out, log) + h.exp()).sum())
+        return log, grads_of([x])
+
+    compare(run, compiler)
+
+
+# ---- checkpointing and compiled forwards ---------------------------------------------------
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpoint(compiler, use_reentrant):
+    def run(backward):
+        torch.manual_seed(0)
+        log = []
+        block = nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 4))
+        head = nn.Linear(4, 1)
+        x = torch.randn(5, 4, requires_grad=True)
+
+        def body(t):
+            log.append(("forward", tuple(t.shape)))  # runs again in the backward
+            return block(t).tanh()
+
+        h = checkpoint(body, x * 2, use_reentrant=use_reentrant)
+        backward(head(h).square().sum())
+        return log, grads_of([x, *block.parameters(), *head.parameters()])
+
+    compare(run, compiler)
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_compiled_forward(compiler):
+    def run(backward):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.SiLU(), nn.Linear(8, 2))
+        compiled = torch.compile(model, backend="aot_eager")
+        x = torch.randn(3, 4, requires_grad=True)
+        out = compiled(x * 3)
+        names = [node.name() for node in _all_nodes(out)]
+        assert "CompiledFunctionBackward" in names
+        backward((out.exp() + out).sum())
+        return names, grads_of([x, *model.parameters()])
+
+    compare(run, compiler)
+
+
+def _all_nodes(root: torch.Tensor) -> list:
+    seen, stack, nodes = set(), [root.grad_fn], []
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        nodes.append(fn)
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return nodes
+
+
+# ---- views and in-place ops ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_in_place_on_views(compiler):
+    def run(backward):
+        torch.manual_seed(0)
+        x = torch.randn(4, 4, requires_grad=True)
+        w = torch.randn(4, requires_grad=True)
+        y = x.clone()
+        y[1:].mul_(2)  # CopySlices over MulBackward0
+        y.diagonal().mul_(w)  # a view of the base: CopySlices again
+        y[:, 0].unsqueeze(0).squeeze(0).exp_()  # a view of a view
+        z = x.clone() * 1
+        row = z[0]
+        z.mul_(w)  # the base changes after the view was taken: row's grad_fn is regenerated
+        strided = x.as_strided((2, 3), (1, 2), 1)  # AsStridedBackward0
+        loss = (y * w).sum() + (row * 3).sum() + z.sum() + strided.square().sum()
+        names = sorted({node.name() for node in _all_nodes(loss)})
+        backward(loss)
+        return names, grads_of([x, w])
+
+    compare(run, compiler)
+
+
+# ---- sparse, mixed dtypes, broadcasting ---------------------------------------------------
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_sparse_embedding_grads(compiler):
+    def run(backward):
+        torch.manual_seed(0)
+        emb = nn.Embedding(10, 3, sparse=True)
+        dense = nn.Embedding(10, 3)
+        idx = torch.tensor([[1, 2, 4, 4], [4, 3, 2, 9]])
+        backward((emb(idx) * dense(idx)).sum())
+        first = grads_of([emb.weight, dense.weight])
+        # A second backward accumulates sparse into sparse; then a dense use of the sparse
+        # weight in the same graph: the dense gradient absorbs the sparse one.
+        backward(emb(idx[0]).square().sum())
+        second = grads_of([emb.weight])
+        backward(emb(idx[1]).sum() + emb.weight.sum())
+        return [], first + second + grads_of([emb.weight])
+
+    compare(run, compiler)
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_mixed_dtypes(compiler):
+    def run(backward):
+        torch.manual_seed(0)
+        x = torch.randn(3, 4, requires_grad=True)
+        w16 = torch.randn(4, dtype=torch.float16, requires_grad=True)
+        wbf = torch.randn(4, dtype=torch.bfloat16, requires_grad=True)
+        w64 = torch.randn(4, dtype=torch.float64, requires_grad=True)
+        h = x * w16.to(torch.float32) + wbf.float()
+        low = (h.to(torch.bfloat16) * wbf).to(torch.float16) * w16
+        loss = low.float().sum() + (h.double() * w64).sum().float() + h.half().sum().float()
+        backward(loss)
+        return [], grads_of([x, w16, wbf, w64])
+
+    compare(run, compiler)
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_broadcasting_reduces_to_input_shapes(compiler):
+    def run(backward):
+        torch.manual_seed(0)
+        x = torch.randn(3, 1, 4, requires_grad=True)
+        y = torch.randn(5, 4, requires_grad=True)
+        b = torch.randn(1, requires_grad=True)
+        s = torch.tensor(2.0, requires_grad=True)  # 0-dim
+        out = (x * y + b) / s - y.exp()
+        backward(out.sin().sum())
+        return [], grads_of([x, y, b, s])
+
+    compare(run, compiler)
+
+
+# ---- accumulation and the gradient layout contract ----------------------------------------
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_accumulation_into_an_existing_grad(compiler):
+    def run(backward):
+        torch.manual_seed(0)
+        log = []
+        w = torch.randn(3, 2, requires_grad=True)
+        v = torch.randn(2, requires_grad=True)
+        v.grad = torch.ones(2)  # set by the user
+        preset = v.grad
+        backward((w * v).sum())
+        backward((w.exp() @ v).sum())
+        # Whether .grad was updated in place (the user's tensor sees it) must match too.
+        log.append(("same object", v.grad is preset, summary(preset)))
+        return log, grads_of([w, v])
+
+    compare(run, compiler)
+
+
+def _stride_log(tensors):
+    return [("stride", tuple(t.grad.stride())) for t in tensors]
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_grad_layout_follows_the_parameter(compiler):
+    def run(backward):
+        torch.manual_seed(0)
+        x = torch.randn(5, 4)
+        wt = torch.randn(3, 4).t().detach().requires_grad_()  # (4, 3), strides (1, 4)
+        conv_w = torch.randn(6, 3, 3, 3).to(memory_format=torch.channels_last).requires_grad_()
+        image = torch.randn(2, 3, 8, 8)
+        # A hook hands AccumulateGrad an expanded (stride 0) gradient for a transposed leaf.
+        expanded = torch.randn(3, 2).t().detach().requires_grad_()
+        expanded.register_hook(lambda g: g.sum().expand_as(g))
+        loss = (x @ wt).tanh().sum() + F.conv2d(image, conv_w).square().mean()
+        backward(loss + (expanded * 2).sum())
+        log = _stride_log([wt, conv_w, expanded])
+        backward((x @ wt).sum() + F.conv2d(image, conv_w).sum())  # accumulate
+        return log + _stride_log([wt, conv_w]), grads_of([wt, conv_w, expanded])
+
+    compare(run, compiler)
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_grads_do_not_alias(compiler):
+    # AddBackward0 passes the root gradient on as is, to both inputs, and a leaf root gets
+    # the user's gradient tensor itself: AccumulateGrad must copy what others still hold.
+    def run(backward):
+        torch.manual_seed(0)
+        w = torch.randn(3, requires_grad=True)
+        b = torch.randn(3, requires_grad=True)
+        leaf = torch.randn(3, requires_grad=True)
+        g = torch.ones(3)
+        backward([w + b, leaf], [g, g])
+        backward((w * 2).sum() + (leaf * 3).sum())  # accumulates in place
+        w.grad.mul_(10)
+        log = [("user grad", summary(g)), ("aliases", w.grad.data_ptr() == b.grad.data_ptr())]
+        return log, grads_of([w, b, leaf])
+
+    compare(run, compiler)
+
+
+# ---- several roots, retained graphs, double backward --------------------------------------
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_several_roots_with_grad_tensors(compiler):
+    def run(backward):
+        torch.manual_seed(0)
+        x = torch.randn(3, 4, requires_grad=True)
+        w = torch.randn(4, requires_grad=True)
+        a = x * w
+        b = a.sum(0).exp()
+        c = (x.cos() * 2).sum()
+        backward([a, b, c], [torch.full((3, 4), 0.5), torch.arange(4.0), None])
+        return [], grads_of([x, w])
+
+    compare(run, compiler)
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_retain_graph_then_second_backward(compiler):
+    def run(backward):
+        torch.manual_seed(0)
+        log = []
+        x = torch.randn(4, requires_grad=True)
+        h = x.exp()
+        loss = (h * h.sin()).sum()
+        backward(loss, retain_graph=True)
+        log.append(("first", summary(x.grad)))
+        backward(loss)  # frees the saved values
+        try:
+            backward(loss)
+        except RuntimeError as error:
+            log.append(("third", "second time" in str(error)))
+        return log, grads_of([x])
+
+    compare(run, compiler)
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_double_backward(compiler):
+    # create_graph=True runs in the engine; the backward of the graph it built (double
+    # backward nodes such as TanhBackwardBackward0) is then replayed.
+    def run(grad, backward):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1))
+        x = torch.randn(4, 3, requires_grad=True)
+        out = model(x).sum()
+        (gx,) = grad(out, x, create_graph=True)
+        backward(out + gx.square().sum())  # a gradient penalty
+        return [summary(gx)], grads_of([x, *model.parameters()])
+
+    def replay_grad(*args, **kwargs):
+        return replaygrad.grad(*args, compiler=compiler, **kwargs)
+
+    expected = run(torch.autograd.grad, eager_backward)
+    got = run(replay_grad, replay_backward(compiler))
+    exact = compiler is None
+    assert_same(tuple(expected[0]), tuple(got[0]), exact, "gx")
+    assert_same(tuple(expected[1]), tuple(got[1]), exact, "grads")
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_backward_create_graph_leaves_a_differentiable_grad(compiler):
+    def run(backward_create_graph, backward):
+        torch.manual_seed(0)
+        w = torch.randn(4, requires_grad=True)
+        backward_create_graph((w.sin() * w).sum(), create_graph=True)
+        first = w.grad
+        log = [("grad requires grad", first.requires_grad), ("value", summary(first))]
+        w.grad = None
+        backward((first * first).sum())  # through the graph create_graph built
+        return log, grads_of([w])
+
+    def replay_create_graph(*args, **kwargs):
+        replaygrad.backward(*args, compiler=compiler, **kwargs)  # the engine runs it
+
+    expected = run(eager_backward, eager_backward)
+    got = run(replay_create_graph, replay_backward(compiler))
+    assert_same(tuple(expected[0]), tuple(got[0]), compiler is None, "log")
+    assert_same(tuple(expected[1]), tuple(got[1]), compiler is None, "grads")
