@@ -850,6 +850,21 @@ rg_status rg_node_apply(rg_node* n, const rg_tensor* const* inputs, size_t n_inp
   RG_CATCH
 }
 
+rg_status rg_node_accumulate(rg_node* n, rg_tensor* grad) {
+  RG_TRY
+  Node& node = *as_node(n);
+  if (!dynamic_cast<AccumulateGrad*>(&node)) {
+    return fail(RG_KIND_VALUE, "rg_node_accumulate: not an AccumulateGrad node");
+  }
+  variable_list inputs(1);
+  if (grad) {
+    inputs[0] = std::move(*reinterpret_cast<at::Tensor*>(grad));
+  }
+  at::AutoGradMode grad_mode(false);
+  node(std::move(inputs));
+  RG_CATCH
+}
+
 rg_status rg_validate_root_grads(rg_node* const* nodes, const uint32_t* input_nrs, size_t n,
                                  const rg_tensor* const* grads, rg_tensor** out) {
   RG_TRY

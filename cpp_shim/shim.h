@@ -151,6 +151,10 @@ rg_status rg_node_apply(rg_node* node, const rg_tensor* const* inputs, size_t n_
                         rg_tensor** out, size_t cap, size_t* n_out);
 // validate_outputs over root edges (nodes may be null for edges of tensors that need no
 // grad), as Engine::execute does before running; writes the checked/cast grads to out.
+// Runs an AccumulateGrad node on `grad`, which it takes over: the handle is left undefined,
+// so that AccumulateGrad can steal a gradient no one else holds (make it .grad without a
+// copy), as it does in the engine. `grad` may be NULL (no gradient).
+rg_status rg_node_accumulate(rg_node* node, rg_tensor* grad);
 rg_status rg_validate_root_grads(rg_node* const* nodes, const uint32_t* input_nrs, size_t n,
                                  const rg_tensor* const* grads, rg_tensor** out);
 rg_status rg_node_release_variables(rg_node* node);

@@ -151,6 +151,7 @@ extern "C" {
         cap: usize,
         n_out: *mut usize,
     ) -> c_int;
+    fn rg_node_accumulate(node: *mut RawNode, grad: *mut C_tensor) -> c_int;
     fn rg_validate_root_grads(
         nodes: *const *mut RawNode,
         input_nrs: *const u32,
@@ -533,6 +534,16 @@ pub fn apply_node(
     let outputs = take_tensors(out);
     check(status)?;
     Ok(outputs)
+}
+
+/// Runs an AccumulateGrad node on `grad`, handing it over so that the node can steal it.
+pub fn accumulate(node: &NodeRef, mut grad: Option<Tensor>) -> Result<(), ShimError> {
+    let raw = grad.as_mut().map_or(ptr::null_mut(), |t| t.as_mut_ptr());
+    // SAFETY: `raw` is null or the live handle of `grad`, which the shim moves from and
+    // which is dropped (empty) afterwards.
+    let status = unsafe { rg_node_accumulate(node.as_ptr(), raw) };
+    drop(grad);
+    check(status)
 }
 
 /// Runs one of the node's pre-kind hooks (tensor pre-hook, pre-hook, retains_grad) on

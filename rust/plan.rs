@@ -172,7 +172,7 @@ impl Plan {
             let value = values(i)?;
             match effect {
                 Deferred::Accumulate { step } => {
-                    self.apply(step, &[value], None)?;
+                    ffi::accumulate(self.node(step)?, value)?;
                 }
                 Deferred::RetainGrad { step, hook } => {
                     let output = self.hook(step, hook)?.index as usize;

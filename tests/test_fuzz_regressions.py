@@ -47,17 +47,15 @@ def replay_grad(*args, **kwargs):
 # ---- AccumulateGrad never steals the incoming gradient ------------------------------------
 
 # AccumulateGrad steals a gradient nobody else holds (use_count <= 1, or 2 with post hooks)
-# and makes it .grad. Deferred accumulations run through Plan::run_deferred and opaque ones
-# through apply_opaque, both ending in rg_node_apply, whose to_list copies the inputs into a
-# new variable_list while the caller (Rust's taken value, or the replay's input list) still
-# holds them. So use_count is at least 2 and AccumulateGrad copies with clone_obey_contract:
-# one extra copy of every parameter gradient per backward; .grad no longer aliases what
-# eager's would (a view of the caller's grad_tensors, a hook's result), which shows in
-# strides of size-1 dims, in what post hooks see after post-accumulate-grad hooks scale
-# .grad in place, and in eager's second backward changing the caller's gradient tensor.
+# and makes it .grad. Deferred accumulations hand the gradient over (rg_node_accumulate
+# moves it out of its handle), so they steal as the engine does. An AccumulateGrad that runs
+# in place because hooks observe it (eager_accumulate) is called from the replay, whose
+# input list and producer outputs still hold the gradient: it copies (clone_obey_contract),
+# which shows when a post-accumulate-grad hook scales .grad in place and the node's post
+# hook looks at its input.
 STEAL = (
-    "AccumulateGrad never steals under replaygrad: rg_node_apply copies the inputs "
-    "(to_list) while the caller still holds them, so use_count >= 2 and .grad is a clone"
+    "an eager_accumulate step (hooks around AccumulateGrad) runs from the replay, which still "
+    "holds the gradient (use_count > 2): .grad is a clone, not the incoming gradient"
 )
 
 
@@ -75,7 +73,6 @@ def _leaf_grad_is_hook_result(backward: Callable) -> bool:
     return x.grad.data_ptr() == made[0]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=STEAL)
 def test_accumulate_grad_steals_unshared_gradient():
     eager_fact(_leaf_grad_is_hook_result(eager_backward), "eager steals the hook's result")
     assert _leaf_grad_is_hook_result(replay_backward), "replaygrad copied it"
@@ -88,7 +85,6 @@ def _root_grad_becomes_leaf_grad(backward: Callable) -> bool:
     return x.grad.data_ptr() == grad.data_ptr()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=STEAL)
 def test_accumulate_grad_steals_view_of_root_gradient():
     eager_fact(_root_grad_becomes_leaf_grad(eager_backward), "eager: .grad aliases the root grad")
     assert _root_grad_becomes_leaf_grad(replay_backward)
