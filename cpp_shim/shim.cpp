@@ -761,6 +761,12 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
     // it can only run as itself.
     return opaque();
   }
+  if (!compiler.sv_to_hooks.empty()) {
+    // Saved values behind saved_tensors_hooks (e.g. non-reentrant checkpointing): their
+    // unpack hooks must run when the node runs, not when the replay is planned, so that
+    // recomputation happens in engine order and its memory is freed as it goes.
+    return opaque();
+  }
   auto node_key = args.key();
   c->key.assign(node_key.key, node_key.key + node_key.key_size);
   if (kind_of(node) == RG_NODE_PYTHON &&
@@ -771,21 +777,14 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
     c->sizes.push_back(compiler.all_size_inputs[i].value);
   }
 
-  // Deterministic slot order. Unpacked values first, by TensorArg id (ids follow the
-  // collection order; equal ids mean the same tensor, so their relative order is moot),
-  // then values behind saved-tensor hooks, by hook id (also collection order).
+  // Deterministic slot order: by TensorArg id (ids follow the collection order; equal ids
+  // mean the same tensor, so their relative order is moot).
   std::vector<std::pair<std::pair<uint32_t, uintptr_t>, const SavedVariable*>> plain;
   plain.reserve(unpacked.size());
   for (const auto& [sv, arg] : unpacked) {
     plain.push_back({{arg->id, reinterpret_cast<uintptr_t>(sv)}, sv});
   }
   std::sort(plain.begin(), plain.end());
-  std::vector<std::pair<size_t, const SavedVariable*>> hooked;
-  for (const auto& [sv, ids] : compiler.sv_to_hooks) {
-    hooked.push_back({ids.first, sv});
-  }
-  std::sort(hooked.begin(), hooked.end());
-
   for (const auto& [order, sv] : plain) {
     const TensorArg* arg = unpacked.at(sv);
     at::Tensor value;
@@ -795,12 +794,7 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
     c->svs.push_back(sv);
     c->values.push_back(std::move(value));
   }
-  for (const auto& [hook_id, sv] : hooked) {
-    // Unpacking runs the user's unpack hook, as the node itself would.
-    c->svs.push_back(sv);
-    c->values.push_back(detached_value(sv->unpack(node_ptr)));
-  }
-  *n_saved = plain.size() + hooked.size();
+  *n_saved = plain.size();
   *key = c->key.data();
   *key_len = c->key.size();
   *sizes = c->sizes.data();

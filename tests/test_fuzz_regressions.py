@@ -248,15 +248,9 @@ def test_hook_changing_dtype_raises_eagers_message():
 # ---- saved values are unpacked when the replay is planned ---------------------------------
 
 # Eager unpacks a node's SavedVariables when the node runs, which calls saved_tensors_hooks'
-# unpack (for non-reentrant torch.utils.checkpoint: recomputes the segment). replaygrad
-# unpacks every saved value when it plans (layout(): Collector -> rg visiting compiled_args,
-# sv->unpack in shim.cpp) to pass them to the replay as inputs: every unpack hook runs
-# before the first node and before any backward hook, and all recomputed activations are
-# alive at once, so activation checkpointing saves no memory under replaygrad.
-UNPACK = (
-    "replaygrad unpacks every SavedVariable when it plans (layout's Collector), eager when "
-    "the node runs: unpack hooks and checkpoint recomputation all happen up front"
-)
+# unpack (for non-reentrant torch.utils.checkpoint: recomputes the segment). replaygrad once
+# unpacked every saved value when it planned; nodes with hooked saved values now run as
+# themselves (opaque), so unpack hooks run in engine order.
 
 
 def _unpack_order(backward: Callable) -> list[str]:
@@ -279,7 +273,6 @@ def _unpack_order(backward: Callable) -> list[str]:
     return log
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=UNPACK)
 def test_saved_tensor_unpack_hooks_run_when_the_node_runs():
     expected = _unpack_order(eager_backward)
     eager_fact(expected == ["pack", "hook", "unpack"], f"eager's order: {expected}")
@@ -303,7 +296,6 @@ def _checkpoint_order(backward: Callable) -> list[str]:
     return log
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=UNPACK)
 def test_non_reentrant_checkpoint_recomputes_each_segment_when_needed():
     expected = _checkpoint_order(eager_backward)
     forwards = ["forward 0", "forward 1", "forward 2"]
