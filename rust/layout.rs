@@ -134,7 +134,13 @@ fn may_trace(node: &NodeRef, kind: NodeKind) -> Result<bool, ShimError> {
         NodeKind::AccumulateGrad => Ok(false),
         // CppNode<T> never reports T::is_traceable, so no C++ Function can be trusted.
         NodeKind::CppFunction => Ok(false),
-        NodeKind::PythonFunction | NodeKind::Generic => node.is_traceable(),
+        // A Python Function is traced only if it says so (`is_traceable = True`).
+        NodeKind::PythonFunction => node.is_traceable(),
+        // torch's own nodes: traced whenever compiled_args describes their state, as
+        // torch's compiled autograd does. Their is_traceable() is about the TorchScript
+        // tracer (false for every view's backward, e.g. TBackward0), not about running
+        // them with swapped saved values.
+        NodeKind::Generic => Ok(true),
     }
 }
 
