@@ -161,14 +161,15 @@ impl Plan {
         out
     }
 
-    /// Performs the deferred effects with the values the replay returned (same order as
-    /// [`Plan::deferred`]). Values are taken out of `values` one by one so that
+    /// Performs the first `count` deferred effects with the values the replay returned
+    /// (same order as [`Plan::deferred`]). Values are taken out of `values` one by one so that
     /// AccumulateGrad can steal a gradient nobody else holds, as in the engine.
     pub fn run_deferred(
         &self,
+        count: usize,
         values: &mut dyn FnMut(usize) -> Result<Option<Tensor>, ShimError>,
     ) -> Result<(), ShimError> {
-        for (i, effect) in self.deferred().into_iter().enumerate() {
+        for (i, effect) in self.deferred().into_iter().take(count).enumerate() {
             let value = values(i)?;
             match effect {
                 Deferred::Accumulate { step } => {

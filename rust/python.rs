@@ -360,9 +360,13 @@ impl PyPlan {
     /// Performs the deferred effects with the values the replay returned. Empties `values`
     /// as it goes, so that a gradient referenced nowhere else can be stolen by
     /// AccumulateGrad instead of copied.
-    fn run_deferred(&self, values: &Bound<'_, PyList>) -> PyResult<()> {
+    /// Performs the plan's deferred effects with the values the replay appended to
+    /// `values` (emptied). `complete=False`: the replay stopped early; only the effects it
+    /// reached are performed.
+    #[pyo3(signature = (values, complete=true))]
+    fn run_deferred(&self, values: &Bound<'_, PyList>, complete: bool) -> PyResult<()> {
         let expected = self.plan.deferred().len();
-        if values.len() != expected {
+        if values.len() > expected || (complete && values.len() != expected) {
             return Err(PyRuntimeError::new_err(format!(
                 "replay returned {} deferred values, the plan expects {expected}",
                 values.len()
@@ -373,8 +377,10 @@ impl PyPlan {
             .map(|v| to_tensor(&v, "gradient"))
             .collect::<PyResult<_>>()?;
         values.del_slice(0, values.len())?;
+        let count = taken.len();
         let mut taken = taken.into_iter();
-        self.plan.run_deferred(&mut |_| Ok(taken.next().flatten()))?;
+        self.plan
+            .run_deferred(count, &mut |_| Ok(taken.next().flatten()))?;
         Ok(())
     }
 

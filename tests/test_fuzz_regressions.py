@@ -210,15 +210,6 @@ def _grads_after_failure(backward: Callable) -> torch.Tensor | None:
     return x.grad
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "deferred AccumulateGrads and retain_grads run after the replay returns "
-        "(Plan::run_deferred): an error mid-backward drops them, eager has applied those "
-        "ordered before the failing node"
-    ),
-)
 def test_error_mid_backward_keeps_earlier_accumulations():
     expected = _grads_after_failure(eager_backward)
     eager_fact(expected is not None, "eager accumulated x before the failing node ran")

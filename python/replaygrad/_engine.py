@@ -196,14 +196,18 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
     saved = plan.saved_values()
     hooks = plan.hook_functions()
     graphs = _graphs_compiled()
+    deferred: list[torch.Tensor | None] = []
     try:
         with running(plan), torch.no_grad():
-            returned, captured = entry.compiled(grads, saved, hooks)
+            captured = entry.compiled(grads, saved, hooks, deferred)
     except BaseException as error:  # KeyboardInterrupt too: leave no untested entry behind
         raised = node_error(error)
         if raised is not None or not _compile_failure(error):
             if entry.calls == 0:
                 cache.discard(config, plan.key)  # no entry that never completed a call
+            # The engine has run the accumulations and retain_grads before the failing step.
+            del saved
+            plan.run_deferred(deferred, complete=False)
             if raised is not None and raised is not error:
                 raise raised.with_traceback(raised.__traceback__) from None
             raise
@@ -226,8 +230,6 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
     del saved
     # run_deferred empties the list: a gradient held by nothing else can then be stolen by
     # AccumulateGrad rather than copied, as in the engine.
-    deferred = returned if type(returned) is list else list(returned)
-    del returned
     plan.run_deferred(deferred)
     entry.calls += 1
     if (

@@ -227,7 +227,7 @@ def buffer_sum(*grads: Any) -> Any:
 class Replay:
     """A replay function and the source it was generated from."""
 
-    fn: Callable[[tuple, list, list], list]
+    fn: Callable[[tuple, list, list, list], list]
     source: str
 
 
@@ -247,16 +247,20 @@ _RUNTIME = {
 
 
 def generate_source(plan: _core.Plan, hooks_in_graph: bool = True) -> str:
-    """Straight-line source for ``replay(grads, saved, hooks) -> (deferred, captured)``.
+    """Straight-line source for ``replay(grads, saved, hooks, deferred) -> captured``.
+
+    The replay appends the values of the plan's deferred effects to ``deferred`` as it
+    reaches them, so that after an error the caller can still apply those that came
+    before it, as the engine would have.
 
     ``hooks_in_graph=False`` calls Python hooks through graph breaks (``*_outside``).
     """
     where = "" if hooks_in_graph else "_outside"
     steps = plan.steps()
-    deferred = {(step, pos) for step, _kind, pos in plan.deferred()}
+    effects = {(step, pos) for step, _kind, pos in plan.deferred()}
     dying = _dying_after(steps)
 
-    out = ["def replay(grads, saved, hooks):", "    deferred = []"]
+    out = ["def replay(grads, saved, hooks, deferred):"]
     out.append(f"    captured = [None] * {plan.num_captures}")
     python_hook = 0
     for s, step in enumerate(steps):
@@ -274,7 +278,7 @@ def generate_source(plan: _core.Plan, hooks_in_graph: bool = True) -> str:
                 post.append((pos, python, python_hook if python else None))
                 python_hook += python
             elif hook_kind == "retains_grad":
-                assert (s, pos) in deferred
+                assert (s, pos) in effects
                 out.append(f"    deferred.append(i[{index}])")
             elif python and hook_kind == "tensor_pre":
                 v, h = value_idx, python_hook
@@ -290,7 +294,7 @@ def generate_source(plan: _core.Plan, hooks_in_graph: bool = True) -> str:
         elif mode in ("opaque", "eager_accumulate"):
             out.append(f"    o{s} = apply_opaque({s}, i)")
         elif mode == "deferred_accumulate":
-            assert (s, -1) in deferred
+            assert (s, -1) in effects
             out.append("    deferred.append(i[0])")
         elif mode == "skipped":
             # Not needed: popped only to run its tensor pre-hooks and take its captures.
@@ -306,7 +310,7 @@ def generate_source(plan: _core.Plan, hooks_in_graph: bool = True) -> str:
         dead = [f"o{p}" for p in dying.get(s, ()) if _has_outputs(steps[p])]
         if dead:
             out.append(f"    del {', '.join(dead)}")
-    out.append("    return deferred, captured")
+    out.append("    return captured")
     return "\n".join(out) + "\n"
 
 
