@@ -161,15 +161,17 @@ impl Plan {
         out
     }
 
-    /// Performs the first `count` deferred effects with the values the replay returned
-    /// (same order as [`Plan::deferred`]). Values are taken out of `values` one by one so that
+    /// Performs the deferred effects in `range` (indices into [`Plan::deferred`]) with the
+    /// values the replay returned, in that order. Values are taken out of `values` one by one so that
     /// AccumulateGrad can steal a gradient nobody else holds, as in the engine.
     pub fn run_deferred(
         &self,
-        count: usize,
+        range: std::ops::Range<usize>,
         values: &mut dyn FnMut(usize) -> Result<Option<Tensor>, ShimError>,
     ) -> Result<(), ShimError> {
-        for (i, effect) in self.deferred().into_iter().take(count).enumerate() {
+        let effects = self.deferred();
+        for (i, &effect) in effects.get(range.clone()).unwrap_or(&[]).iter().enumerate() {
+            let i = range.start + i;
             let value = values(i)?;
             match effect {
                 Deferred::Accumulate { step } => {

@@ -1,6 +1,8 @@
 //! The `replaygrad._core` module: converts between Python and the core, and calls it.
 //! No planning logic lives here.
 
+use std::cell::Cell;
+
 use pyo3::exceptions::{PyRuntimeError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
@@ -86,6 +88,8 @@ pub struct PyPlan {
     plan: Plan,
     /// The engine's call this plan was made for (root gradients, flags), if any.
     call: Option<CallData>,
+    /// Deferred effects performed so far (run_deferred goes on from there).
+    effects_done: Cell<usize>,
 }
 
 struct CallData {
@@ -360,16 +364,17 @@ impl PyPlan {
     /// Performs the deferred effects with the values the replay returned. Empties `values`
     /// as it goes, so that a gradient referenced nowhere else can be stolen by
     /// AccumulateGrad instead of copied.
-    /// Performs the plan's deferred effects with the values the replay appended to
-    /// `values` (emptied). `complete=False`: the replay stopped early; only the effects it
-    /// reached are performed.
+    /// Performs the plan's next deferred effects, one per value the replay appended to
+    /// `values` (which is emptied), going on from the effects performed before.
+    /// `complete=True` (the end of the replay): these must be all the remaining ones.
     #[pyo3(signature = (values, complete=true))]
     fn run_deferred(&self, values: &Bound<'_, PyList>, complete: bool) -> PyResult<()> {
         let expected = self.plan.deferred().len();
-        if values.len() > expected || (complete && values.len() != expected) {
+        let start = self.effects_done.get();
+        let end = start + values.len();
+        if end > expected || (complete && end != expected) {
             return Err(PyRuntimeError::new_err(format!(
-                "replay returned {} deferred values, the plan expects {expected}",
-                values.len()
+                "replay returned {end} deferred values, the plan expects {expected}"
             )));
         }
         let taken: Vec<Option<Tensor>> = values
@@ -377,10 +382,10 @@ impl PyPlan {
             .map(|v| to_tensor(&v, "gradient"))
             .collect::<PyResult<_>>()?;
         values.del_slice(0, values.len())?;
-        let count = taken.len();
+        self.effects_done.set(end);
         let mut taken = taken.into_iter();
         self.plan
-            .run_deferred(count, &mut |_| Ok(taken.next().flatten()))?;
+            .run_deferred(start..end, &mut |_| Ok(taken.next().flatten()))?;
         Ok(())
     }
 
@@ -458,6 +463,7 @@ fn plan(
     Ok(PyPlan {
         plan: Plan::build_for(&edges, outputs.as_deref(), accumulate_grad)?,
         call: None,
+        effects_done: Cell::new(0),
     })
 }
 
@@ -478,6 +484,7 @@ fn plan_engine_call(call: &Bound<'_, PyAny>) -> PyResult<Option<PyPlan>> {
             accumulate_grad: call.accumulate_grad,
             keep_graph: call.keep_graph,
         }),
+        effects_done: Cell::new(0),
     }))
 }
 

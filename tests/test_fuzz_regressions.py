@@ -172,15 +172,6 @@ def _retained_after_inplace_prehook(backward: Callable) -> torch.Tensor:
     return h.grad
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "retain_grad is deferred by reference (deferred.append(i[k])) and cloned after the "
-        "replay, eager clones before pre-hooks; shows when a hook modifies its argument in "
-        "place, which torch's hook contract forbids"
-    ),
-)
 def test_retain_grad_value_is_taken_before_pre_hooks():
     expected = _retained_after_inplace_prehook(eager_backward)
     eager_fact(expected.item() == 1.0, "eager's .grad is the gradient before the pre-hook")

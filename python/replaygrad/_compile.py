@@ -134,7 +134,8 @@ class ReplayCache:
                 plan.key,
                 Lazy(lambda: key_difference(plan, latest.step_digests, latest.order)),
             )
-        replay = build(plan)
+        # Uncompiled, hooks run as plain calls that see the effects before them.
+        replay = build(plan, hooks_in_graph=config.compiler is not None)
         source_log.debug("replay %s:\n%s", plan.key, replay.source)
         entry = Entry(
             replay=replay,

@@ -91,20 +91,30 @@ def node_error(error: BaseException) -> BaseException | None:
     return None
 
 
+def _flush(deferred: list) -> None:
+    """Performs the deferred effects the replay has reached (accumulations, retain_grads)
+    before code that may observe them (``.grad`` in a hook or an opaque node) runs."""
+    if deferred:
+        current_plan().run_deferred(deferred, complete=False)
+
+
 @torch._dynamo.disable
-def apply_opaque(step: int, inputs: list) -> tuple:
+def apply_opaque(deferred: list, step: int, inputs: list) -> tuple:
     """An opaque step: a graph break that runs the current graph's node as itself."""
+    _flush(deferred)
     return current_plan().apply(step, inputs)
 
 
 @torch._dynamo.disable
-def cpp_pre_hook(step: int, position: int, values: list) -> list:
+def cpp_pre_hook(deferred: list, step: int, position: int, values: list) -> list:
     """A C++ pre-kind hook (no Python dict to trace): a graph break through the engine API."""
+    _flush(deferred)
     return list(current_plan().call_hook(step, position, values))
 
 
 @torch._dynamo.disable
-def cpp_post_hook(step: int, position: int, outputs: tuple, inputs: list) -> tuple:
+def cpp_post_hook(deferred: list, step: int, position: int, outputs: tuple, inputs: list) -> tuple:
+    _flush(deferred)
     return current_plan().call_hook(step, position, outputs, inputs)
 
 
@@ -195,10 +205,28 @@ def post_hook(fns: Sequence[Callable], outputs: tuple, inputs: list) -> tuple:
     return values
 
 
-# Python hooks as graph breaks: Dynamo neither traces them nor guards on what they touch.
-tensor_pre_hook_outside = torch._dynamo.disable(tensor_pre_hook)
-pre_hook_outside = torch._dynamo.disable(pre_hook)
-post_hook_outside = torch._dynamo.disable(post_hook)
+# Python hooks outside the graph (graph breaks: Dynamo neither traces them nor guards on
+# what they touch), seeing the effects of the steps before them as in the engine.
+
+
+@torch._dynamo.disable
+def tensor_pre_hook_outside(deferred: list, fns: Sequence[Callable], value: Any) -> Any:
+    _flush(deferred)
+    return tensor_pre_hook(fns, value)
+
+
+@torch._dynamo.disable
+def pre_hook_outside(deferred: list, fns: Sequence[Callable], inputs: list) -> list:
+    _flush(deferred)
+    return pre_hook(fns, inputs)
+
+
+@torch._dynamo.disable
+def post_hook_outside(
+    deferred: list, fns: Sequence[Callable], outputs: tuple, inputs: list
+) -> tuple:
+    _flush(deferred)
+    return post_hook(fns, outputs, inputs)
 
 
 # ---- input buffers -----------------------------------------------------------------------
@@ -253,9 +281,11 @@ def generate_source(plan: _core.Plan, hooks_in_graph: bool = True) -> str:
     reaches them, so that after an error the caller can still apply those that came
     before it, as the engine would have.
 
-    ``hooks_in_graph=False`` calls Python hooks through graph breaks (``*_outside``).
+    ``hooks_in_graph=False`` calls Python hooks outside the graph (``*_outside``: graph
+    breaks under Dynamo), after the deferred effects before them, as everything else
+    that runs outside the graph does.
     """
-    where = "" if hooks_in_graph else "_outside"
+    where, arg = ("", "") if hooks_in_graph else ("_outside", "deferred, ")
     steps = plan.steps()
     effects = {(step, pos) for step, _kind, pos in plan.deferred()}
     dying = _dying_after(steps)
@@ -282,17 +312,17 @@ def generate_source(plan: _core.Plan, hooks_in_graph: bool = True) -> str:
                 out.append(f"    deferred.append(i[{index}])")
             elif python and hook_kind == "tensor_pre":
                 v, h = value_idx, python_hook
-                out.append(f"    i[{v}] = tensor_pre_hook{where}(hooks[{h}], i[{v}])")
+                out.append(f"    i[{v}] = tensor_pre_hook{where}({arg}hooks[{h}], i[{v}])")
                 python_hook += 1
             elif python:
-                out.append(f"    i = pre_hook{where}(hooks[{python_hook}], i)")
+                out.append(f"    i = pre_hook{where}({arg}hooks[{python_hook}], i)")
                 python_hook += 1
             else:
-                out.append(f"    i = cpp_pre_hook({s}, {pos}, i)")
+                out.append(f"    i = cpp_pre_hook(deferred, {s}, {pos}, i)")
         if mode == "traced":
             out.append(f"    o{s} = apply_traced({s}, i, saved[{a}:{b}])")
         elif mode in ("opaque", "eager_accumulate"):
-            out.append(f"    o{s} = apply_opaque({s}, i)")
+            out.append(f"    o{s} = apply_opaque(deferred, {s}, i)")
         elif mode == "deferred_accumulate":
             assert (s, -1) in effects
             out.append("    deferred.append(i[0])")
@@ -303,9 +333,9 @@ def generate_source(plan: _core.Plan, hooks_in_graph: bool = True) -> str:
             raise AssertionError(f"unknown step mode {mode!r}")
         for pos, python, h in post:
             if python:
-                out.append(f"    o{s} = post_hook{where}(hooks[{h}], o{s}, i)")
+                out.append(f"    o{s} = post_hook{where}({arg}hooks[{h}], o{s}, i)")
             else:
-                out.append(f"    o{s} = cpp_post_hook({s}, {pos}, o{s}, i)")
+                out.append(f"    o{s} = cpp_post_hook(deferred, {s}, {pos}, o{s}, i)")
         # Drop gradients once their last consumer ran, as the engine's buffers do.
         dead = [f"o{p}" for p in dying.get(s, ()) if _has_outputs(steps[p])]
         if dead:
