@@ -744,6 +744,9 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
   size_t sizes_before = compiler.all_size_inputs.size();
 
   auto node_ptr = node.getptr();
+  // One node at a time: the previous node's call is not needed any more, and a map of all
+  // of them would only grow (rehashing) and be freed at the end.
+  compiler.node_calls.clear();
   auto& node_call = compiler.node_calls.lookup(node_ptr);
   CompiledNodeArgs args(compiler, node_call);
   auto opaque = [&] {
