@@ -21,4 +21,4 @@ fi
 
 # Never let pip build in isolation (it would fetch a second torch): maturin builds in this
 # venv, against the torch installed above.
-maturin develop --release --quiet
+PIP_QUIET=1 maturin develop --release --quiet

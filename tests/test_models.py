@@ -53,3 +53,13 @@ def test_saved_values_report_requires_grad_as_eager(compiler):
     replaygrad.backward(loss, compiler=compiler)
     torch.testing.assert_close(a.grad, expected[0])
     torch.testing.assert_close(b.grad, expected[1])
+
+
+def test_torch_nodes_are_traced_views_included():
+    # View backwards (TBackward0, ViewBackward0, ...) report is_traceable() false, which is
+    # about the TorchScript tracer: they are traced like every node compiled_args describes.
+    model = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0)
+    loss = model(torch.randn(5, 3, 16)).sum()
+    plan = replaygrad.plan(loss)
+    assert plan.opaque == [], plan.opaque
+    assert "TBackward0" in plan.order and "ViewBackward0" in plan.order
