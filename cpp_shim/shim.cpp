@@ -335,9 +335,16 @@ variable_list engine_hook(
     }
     Py_INCREF(callback);
     THPObjectPtr owned_callback(callback);
-    in_callback = true;
-    THPObjectPtr returned(PyObject_CallOneArg(callback, capsule.get()));
-    in_callback = false;
+    THPObjectPtr returned;
+    {
+      // The engine runs a backward under a copy of the caller's thread-local state (grad
+      // mode, saved-tensor hooks, dispatch modes): what the backward changes there (e.g. an
+      // unpack hook entering saved_tensors_hooks) does not leak to the caller.
+      at::ThreadLocalStateGuard tls_guard(graph_task.thread_locals_);
+      in_callback = true;
+      returned = THPObjectPtr(PyObject_CallOneArg(callback, capsule.get()));
+      in_callback = false;
+    }
     // The capsule points at this frame: make any copy Python kept unusable.
     PyCapsule_SetName(capsule.get(), kExpiredCapsule);
     if (!returned) {
