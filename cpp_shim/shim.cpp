@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/functions/tensor.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/input_buffer.h>
 #include <torch/csrc/autograd/utils/warnings.h>
@@ -770,6 +771,13 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
     // A node type that does not describe its state (e.g. a third-party Node subclass):
     // it can only run as itself.
     return opaque();
+  }
+  if (auto* copy_slices = dynamic_cast<torch::autograd::CopySlices*>(&node)) {
+    // CopySlices runs the node of the in-place op it wraps: traced only when that node is
+    // one of torch's own (a custom Function's backward must run as itself, every call).
+    if (!copy_slices->fn || kind_of(*copy_slices->fn) != RG_NODE_GENERIC) {
+      return opaque();
+    }
   }
   if (!compiler.sv_to_hooks.empty()) {
     // Saved values behind saved_tensors_hooks (e.g. non-reentrant checkpointing): their

@@ -525,3 +525,31 @@ def test_backward_create_graph_leaves_a_differentiable_grad(compiler):
     got = run(replay_create_graph, replay_backward(compiler))
     assert_same(tuple(expected[0]), tuple(got[0]), compiler is None, "log")
     assert_same(tuple(expected[1]), tuple(got[1]), compiler is None, "grads")
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_in_place_custom_function_on_a_view_runs_its_backward_every_call(compiler):
+    # CopySlices wraps the Function's node: it must not be traced into a compiled replay
+    # (the Python backward would run once, at trace time).
+    calls = []
+
+    class AddInPlace(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            a.add_(b)
+            ctx.mark_dirty(a)
+            return a
+
+        @staticmethod
+        def backward(ctx, grad):
+            calls.append(1)
+            return grad * 2, grad * 3
+
+    for i in range(3):
+        a = torch.ones(2, requires_grad=True)
+        b = torch.ones(2, requires_grad=True)
+        out = AddInPlace.apply(a.clone().view_as(a), b)
+        replaygrad.backward(out.sum(), compiler=compiler)
+        assert len(calls) == i + 1
+        torch.testing.assert_close(a.grad, torch.full((2,), 2.0))
+        torch.testing.assert_close(b.grad, torch.full((2,), 3.0))
