@@ -18,7 +18,7 @@ site=$("$fresh" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 # torch and its dependencies from ./.venv; a path line in a .pth does not run that
 # directory's .pth files, so ./.venv's editable replaygrad stays out of sight.
 python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > "$site/borrowed-torch.pth"
-"$fresh" -m pip install --quiet --no-deps "$wheel"
+"$fresh" -m pip install --quiet --no-deps --ignore-installed "$wheel"
 
 cd "$out"
 "$fresh" - <<'PY'
