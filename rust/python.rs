@@ -342,6 +342,23 @@ impl PyPlan {
         to_py_tuple(py, out)
     }
 
+    /// Runs a step's AccumulateGrad on `inputs[0]`, handing the gradient over so that it
+    /// can be stolen as in the engine: with `take`, it is also removed from `inputs` (no
+    /// post hook needs it afterwards).
+    fn accumulate(&self, step: u32, inputs: &Bound<'_, PyList>, take: bool) -> PyResult<()> {
+        if inputs.len() != 1 {
+            return Err(PyRuntimeError::new_err(format!(
+                "AccumulateGrad takes 1 gradient, got {}",
+                inputs.len()
+            )));
+        }
+        let grad = to_tensor(&inputs.get_item(0)?, "gradient")?;
+        if take {
+            inputs.del_item(0)?;
+        }
+        Ok(ffi::accumulate(self.plan.node(step)?, grad)?)
+    }
+
     /// Runs hook `position` of a step through the engine's hook interface.
     #[pyo3(signature = (step, position, values, inputs=None))]
     fn call_hook<'py>(

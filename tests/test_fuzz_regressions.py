@@ -47,16 +47,9 @@ def replay_grad(*args, **kwargs):
 # ---- AccumulateGrad never steals the incoming gradient ------------------------------------
 
 # AccumulateGrad steals a gradient nobody else holds (use_count <= 1, or 2 with post hooks)
-# and makes it .grad. Deferred accumulations hand the gradient over (rg_node_accumulate
-# moves it out of its handle), so they steal as the engine does. An AccumulateGrad that runs
-# in place because hooks observe it (eager_accumulate) is called from the replay, whose
-# input list and producer outputs still hold the gradient: it copies (clone_obey_contract),
-# which shows when a post-accumulate-grad hook scales .grad in place and the node's post
-# hook looks at its input.
-STEAL = (
-    "an eager_accumulate step (hooks around AccumulateGrad) runs from the replay, which still "
-    "holds the gradient (use_count > 2): .grad is a clone, not the incoming gradient"
-)
+# and makes it .grad. replaygrad hands the gradient over (rg_node_accumulate moves it out
+# of its handle; an AccumulateGrad with hooks around it is called after the outputs that
+# held the gradient are dropped), so it steals as the engine does.
 
 
 def _leaf_grad_is_hook_result(backward: Callable) -> bool:
@@ -104,7 +97,6 @@ def _post_hook_sees_scaled_grad(backward: Callable) -> torch.Tensor:
     return seen[0]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=STEAL)
 def test_accumulate_grad_steals_gradient_seen_by_post_hook():
     # A post-accumulate-grad hook scales .grad in place (what these hooks are for); in eager
     # .grad *is* the incoming gradient, so the AccumulateGrad post hook sees it scaled.

@@ -57,6 +57,7 @@ class Plan:
         inputs: Sequence[torch.Tensor | None],
         saved: Sequence[torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor | None, ...]: ...
+    def accumulate(self, step: int, inputs: list[torch.Tensor | None], take: bool) -> None: ...
     def call_hook(
         self,
         step: int,

@@ -106,6 +106,15 @@ def apply_opaque(deferred: list, step: int, inputs: list) -> tuple:
 
 
 @torch._dynamo.disable
+def apply_accumulate(deferred: list, step: int, inputs: list, take: bool) -> tuple:
+    """An AccumulateGrad run in place (hooks observe it), handed its gradient so that it can
+    steal it as in the engine; ``take``: no post hook needs ``inputs`` afterwards."""
+    _flush(deferred)
+    current_plan().accumulate(step, inputs, take)
+    return ()
+
+
+@torch._dynamo.disable
 def cpp_pre_hook(deferred: list, step: int, position: int, values: list) -> list:
     """A C++ pre-kind hook (no Python dict to trace): a graph break through the engine API."""
     _flush(deferred)
@@ -262,6 +271,7 @@ class Replay:
 _RUNTIME = {
     "apply_traced": apply_traced,
     "apply_opaque": apply_opaque,
+    "apply_accumulate": apply_accumulate,
     "cpp_pre_hook": cpp_pre_hook,
     "cpp_post_hook": cpp_post_hook,
     "tensor_pre_hook": tensor_pre_hook,
@@ -321,8 +331,16 @@ def generate_source(plan: _core.Plan, hooks_in_graph: bool = True) -> str:
                 out.append(f"    i = cpp_pre_hook(deferred, {s}, {pos}, i)")
         if mode == "traced":
             out.append(f"    o{s} = apply_traced({s}, i, saved[{a}:{b}])")
-        elif mode in ("opaque", "eager_accumulate"):
+        elif mode == "opaque":
             out.append(f"    o{s} = apply_opaque(deferred, {s}, i)")
+        elif mode == "eager_accumulate":
+            # The engine moves the gradient into AccumulateGrad: drop the outputs that held
+            # it first, so that nothing but `i` (kept for post hooks) still does.
+            producers = [p for p in dying.get(s, ()) if p != s and _has_outputs(steps[p])]
+            dying[s] = [p for p in dying.get(s, ()) if p not in producers]
+            if producers:
+                out.append(f"    del {', '.join(f'o{p}' for p in producers)}")
+            out.append(f"    o{s} = apply_accumulate(deferred, {s}, i, {not post})")
         elif mode == "deferred_accumulate":
             assert (s, -1) in effects
             out.append("    deferred.append(i[0])")
