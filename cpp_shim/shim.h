@@ -138,7 +138,8 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* node, int* supported, siz
                              size_t* n_sizes);
 size_t rg_collector_len(const rg_collector* c);
 // Slot i: the SavedVariable's address (borrowed) and a new handle to its unpacked value,
-// detached from the graph (null for an undefined saved value).
+// detached from the graph but reporting the original's requires_grad (null for an undefined
+// saved value).
 rg_status rg_collector_slot(const rg_collector* c, size_t i, const rg_sv** sv, rg_tensor** value);
 
 // ---- running nodes ---------------------------------------------------------------------
@@ -149,12 +150,12 @@ rg_status rg_collector_slot(const rg_collector* c, size_t i, const rg_sv** sv, r
 rg_status rg_node_apply(rg_node* node, const rg_tensor* const* inputs, size_t n_inputs,
                         const rg_sv* const* svs, const rg_tensor* const* saved, size_t n_saved,
                         rg_tensor** out, size_t cap, size_t* n_out);
-// validate_outputs over root edges (nodes may be null for edges of tensors that need no
-// grad), as Engine::execute does before running; writes the checked/cast grads to out.
 // Runs an AccumulateGrad node on `grad`, which it takes over: the handle is left undefined,
 // so that AccumulateGrad can steal a gradient no one else holds (make it .grad without a
 // copy), as it does in the engine. `grad` may be NULL (no gradient).
 rg_status rg_node_accumulate(rg_node* node, rg_tensor* grad);
+// validate_outputs over root edges (nodes may be null for edges of tensors that need no
+// grad), as Engine::execute does before running; writes the checked/cast grads to out.
 rg_status rg_validate_root_grads(rg_node* const* nodes, const uint32_t* input_nrs, size_t n,
                                  const rg_tensor* const* grads, rg_tensor** out);
 rg_status rg_node_release_variables(rg_node* node);

@@ -162,8 +162,8 @@ impl Plan {
     }
 
     /// Performs the deferred effects in `range` (indices into [`Plan::deferred`]) with the
-    /// values the replay returned, in that order. Values are taken out of `values` one by one so that
-    /// AccumulateGrad can steal a gradient nobody else holds, as in the engine.
+    /// values the replay returned, in that order. Values are taken out of `values` one by
+    /// one so that AccumulateGrad can steal a gradient nobody else holds, as in the engine.
     pub fn run_deferred(
         &self,
         range: std::ops::Range<usize>,

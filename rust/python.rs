@@ -378,12 +378,10 @@ impl PyPlan {
         to_py_tuple(py, out)
     }
 
-    /// Performs the deferred effects with the values the replay returned. Empties `values`
-    /// as it goes, so that a gradient referenced nowhere else can be stolen by
-    /// AccumulateGrad instead of copied.
     /// Performs the plan's next deferred effects, one per value the replay appended to
-    /// `values` (which is emptied), going on from the effects performed before.
-    /// `complete=True` (the end of the replay): these must be all the remaining ones.
+    /// `values`, going on from the effects performed before. `values` is emptied first, so
+    /// that a gradient referenced nowhere else can be stolen by AccumulateGrad instead of
+    /// copied. `complete=True` (the end of the replay): these must be all the remaining ones.
     #[pyo3(signature = (values, complete=true))]
     fn run_deferred(&self, values: &Bound<'_, PyList>, complete: bool) -> PyResult<()> {
         let expected = self.plan.deferred().len();

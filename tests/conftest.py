@@ -152,3 +152,54 @@ __all__ = [
 @pytest.fixture
 def deepcopy():
     return copy.deepcopy
+
+
+def summary(value):
+    """A logged value (a hook argument, what a backward saw): tensors cloned, sequences
+    recursed, the rest as is."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (tuple, list)):
+        return tuple(summary(v) for v in value)
+    return value
+
+
+def assert_same(expected, got, exact: bool, where: str) -> None:
+    """Nested tuples of tensors and plain values equal: tensors bit for bit when ``exact``,
+    else within float tolerance; same shape, dtype and layout always."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor), f"{where}: {expected} vs {got}"
+        assert (expected.shape, expected.dtype, expected.layout) == (
+            got.shape,
+            got.dtype,
+            got.layout,
+        ), where
+        if expected.is_sparse:
+            expected, got = expected.to_dense(), got.to_dense()
+        if exact:
+            assert torch.equal(expected, got), f"{where}: {expected} vs {got}"
+        elif expected.dtype in (torch.float32, torch.float64):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=where)
+        else:
+            torch.testing.assert_close(got, expected, msg=where)
+    elif isinstance(expected, tuple):
+        assert isinstance(got, tuple) and len(got) == len(expected), f"{where}: {got}"
+        for k, (e, g) in enumerate(zip(expected, got)):
+            assert_same(e, g, exact, f"{where}[{k}]")
+    else:
+        assert expected == got, f"{where}: {expected!r} vs {got!r}"
+
+
+def eager_backward(*args, **kwargs) -> None:
+    torch.autograd.backward(*args, **kwargs)
+
+
+def replay_backward(compiler):
+    """``backward`` through replaygrad with ``compiler``, asserting it really replayed."""
+
+    def backward(*args, **kwargs):
+        before = replaygrad.cache_info()
+        replaygrad.backward(*args, compiler=compiler, **kwargs)
+        assert_replayed(before)
+
+    return backward

@@ -13,36 +13,17 @@ from torch import nn
 
 import replaygrad
 
-from conftest import COMPILERS, FAST_COMPILERS, assert_grads_equal, assert_replayed, grads_of
-
-
-def summary(value):
-    """A hook argument as logged: tensors cloned, sequences recursed, the rest as is."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, (tuple, list)):
-        return tuple(summary(v) for v in value)
-    return value
-
-
-def assert_same(expected, got, exact: bool, where: str) -> None:
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(got, torch.Tensor), f"{where}: {expected} vs {got}"
-        assert (expected.shape, expected.dtype, expected.layout) == (
-            got.shape,
-            got.dtype,
-            got.layout,
-        ), where
-        if exact:
-            assert torch.equal(expected, got), f"{where}: {expected} vs {got}"
-        else:
-            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=where)
-    elif isinstance(expected, tuple):
-        assert isinstance(got, tuple) and len(got) == len(expected), f"{where}: {got}"
-        for k, (e, g) in enumerate(zip(expected, got)):
-            assert_same(e, g, exact, f"{where}[{k}]")
-    else:
-        assert expected == got, f"{where}: {expected!r} vs {got!r}"
+from conftest import (
+    COMPILERS,
+    FAST_COMPILERS,
+    assert_grads_equal,
+    assert_replayed,
+    assert_same,
+    eager_backward,
+    grads_of,
+    replay_backward,
+    summary,
+)
 
 
 def assert_logs_equal(expected: list, got: list, exact: bool) -> None:
@@ -50,19 +31,6 @@ def assert_logs_equal(expected: list, got: list, exact: bool) -> None:
     assert [e[0] for e in expected] == [g[0] for g in got]
     for n, (e, g) in enumerate(zip(expected, got)):
         assert_same(e[1:], g[1:], exact, f"log entry {n} ({e[0]})")
-
-
-def eager_backward(*args, **kwargs):
-    torch.autograd.backward(*args, **kwargs)
-
-
-def replay_backward(compiler):
-    def backward(*args, **kwargs):
-        before = replaygrad.cache_info()
-        replaygrad.backward(*args, compiler=compiler, **kwargs)
-        assert_replayed(before)
-
-    return backward
 
 
 def compare(run, compiler) -> None:

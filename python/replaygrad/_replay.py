@@ -10,6 +10,7 @@ iteration's graph and is reused across iterations.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -214,28 +215,22 @@ def post_hook(fns: Sequence[Callable], outputs: tuple, inputs: list) -> tuple:
     return values
 
 
-# Python hooks outside the graph (graph breaks: Dynamo neither traces them nor guards on
-# what they touch), seeing the effects of the steps before them as in the engine.
+def _outside(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` outside the graph (a graph break: Dynamo neither traces it nor guards on
+    what it touches), seeing the effects of the steps before it as in the engine."""
+
+    @torch._dynamo.disable
+    @functools.wraps(hook)
+    def call(deferred: list, *args: Any) -> Any:
+        _flush(deferred)
+        return hook(*args)
+
+    return call
 
 
-@torch._dynamo.disable
-def tensor_pre_hook_outside(deferred: list, fns: Sequence[Callable], value: Any) -> Any:
-    _flush(deferred)
-    return tensor_pre_hook(fns, value)
-
-
-@torch._dynamo.disable
-def pre_hook_outside(deferred: list, fns: Sequence[Callable], inputs: list) -> list:
-    _flush(deferred)
-    return pre_hook(fns, inputs)
-
-
-@torch._dynamo.disable
-def post_hook_outside(
-    deferred: list, fns: Sequence[Callable], outputs: tuple, inputs: list
-) -> tuple:
-    _flush(deferred)
-    return post_hook(fns, outputs, inputs)
+tensor_pre_hook_outside = _outside(tensor_pre_hook)
+pre_hook_outside = _outside(pre_hook)
+post_hook_outside = _outside(post_hook)
 
 
 # ---- input buffers -----------------------------------------------------------------------
