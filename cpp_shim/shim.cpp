@@ -148,7 +148,7 @@ bool type_is(const T& obj, const char* mangled) {
   return std::strcmp(typeid(obj).name(), mangled) == 0;
 }
 
-rg_node_kind kind_of(Node& node) {
+rg_node_kind kind_of_uncached(Node& node) {
   if (dynamic_cast<AccumulateGrad*>(&node)) {
     return RG_NODE_ACCUMULATE_GRAD;
   }
@@ -160,6 +160,20 @@ rg_node_kind kind_of(Node& node) {
     return RG_NODE_CPP_FUNCTION;
   }
   return RG_NODE_GENERIC;
+}
+
+// The kind is a property of the node's C++ type: found once per type (dynamic_cast and
+// type-name comparisons cost more than the rest of a node's visit).
+rg_node_kind kind_of(Node& node) {
+  thread_local std::unordered_map<const std::type_info*, rg_node_kind> kinds;
+  const std::type_info* type = &typeid(node);
+  auto it = kinds.find(type);
+  if (it != kinds.end()) {
+    return it->second;
+  }
+  rg_node_kind kind = kind_of_uncached(node);
+  kinds.emplace(type, kind);
+  return kind;
 }
 
 // TensorArgs keeps the SavedVariable -> TensorArg map that compiled_args fills private.
@@ -381,6 +395,8 @@ struct rg_collector {
   std::vector<at::Tensor> values;
   std::vector<uint8_t> key;
   std::vector<int64_t> sizes;
+  // The visited node's saved variables by (TensorArg id, address), reused across visits.
+  std::vector<std::pair<std::pair<uint32_t, uintptr_t>, const SavedVariable*>> order;
 };
 
 extern "C" {
@@ -458,7 +474,8 @@ rg_status rg_node_to_pyobject(rg_node* node, PyObject** out) {
   RG_CATCH
 }
 
-rg_status rg_node_get_info(rg_node* n, rg_node_info* info) {
+rg_status rg_node_describe(rg_node* n, rg_node_info* info, rg_node** nodes, uint32_t* input_nrs,
+                           size_t edge_cap, uint8_t* meta, size_t meta_cap, size_t* meta_len) {
   RG_TRY
   Node& node = *as_node(n);
   info->sequence_nr = node.sequence_nr();
@@ -475,6 +492,42 @@ rg_status rg_node_get_info(rg_node* n, rg_node_info* info) {
       post_acc != nullptr &&
       !(type_is(*post_acc, kPyPostAccGradHooks) &&
         dict_is_empty(static_cast<torch::autograd::PyFunctionTensorPostAccGradHooks*>(post_acc.get())->dict));
+
+  const edge_list& edges = node.next_edges();
+  for (size_t i = 0; i < edges.size() && i < edge_cap; ++i) {
+    nodes[i] = as_rg(edges[i].function.get());
+    input_nrs[i] = edges[i].input_nr;
+  }
+
+  size_t len = 0;
+  auto put = [&](const void* data, size_t size) {
+    if (len + size <= meta_cap) {
+      std::memcpy(meta + len, data, size);
+    }
+    len += size;
+  };
+  for (uint32_t i = 0; i < info->num_inputs; ++i) {
+    const auto& m = node.input_metadata(i);
+    bool nested = m.is_nested_tensor() || m.is_cpp_nested_tensor();
+    int32_t head[4] = {
+        static_cast<int32_t>(c10::typeMetaToScalarType(m.dtype())),
+        static_cast<int32_t>(m.device().type()),
+        static_cast<int32_t>(m.device().index()),
+        0,
+    };
+    if (nested) {
+      put(head, sizeof head);
+      continue;
+    }
+    const auto& shape = m.shape_as_dim_vector();
+    head[3] = static_cast<int32_t>(shape.size());
+    put(head, sizeof head);
+    for (const auto& d : shape) {
+      int64_t v = d.guard_int(__FILE__, __LINE__);
+      put(&v, sizeof v);
+    }
+  }
+  *meta_len = len;
   RG_CATCH
 }
 
@@ -512,29 +565,6 @@ rg_status rg_node_is_traceable(rg_node* n, int* out) {
     // PyNode::is_traceable reads the class attribute `is_traceable`, which
     // torch.autograd.Function does not define in 2.13: not traceable.
     PyErr_Clear();
-  }
-  RG_CATCH
-}
-
-rg_status rg_node_input_metadata(rg_node* n, uint32_t i, int32_t* dtype, int32_t* device_type,
-                                 int32_t* device_index, int64_t* shape, size_t cap, size_t* ndim) {
-  RG_TRY
-  Node& node = *as_node(n);
-  if (i >= node.num_inputs()) {
-    return fail(RG_KIND_INDEX, "rg_node_input_metadata: input index out of range");
-  }
-  const auto& meta = node.input_metadata(i);
-  *dtype = static_cast<int32_t>(c10::typeMetaToScalarType(meta.dtype()));
-  *device_type = static_cast<int32_t>(meta.device().type());
-  *device_index = meta.device().index();
-  if (meta.is_nested_tensor() || meta.is_cpp_nested_tensor()) {
-    *ndim = 0;
-    return RG_OK;
-  }
-  auto sizes = meta.shape_as_dim_vector();
-  *ndim = sizes.size();
-  for (size_t d = 0; d < sizes.size() && d < cap; ++d) {
-    shape[d] = sizes[d].guard_int(__FILE__, __LINE__);
   }
   RG_CATCH
 }
@@ -797,8 +827,8 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
 
   // Deterministic slot order: by TensorArg id (ids follow the collection order; equal ids
   // mean the same tensor, so their relative order is moot).
-  std::vector<std::pair<std::pair<uint32_t, uintptr_t>, const SavedVariable*>> plain;
-  plain.reserve(unpacked.size());
+  auto& plain = c->order;
+  plain.clear();
   for (const auto& [sv, arg] : unpacked) {
     plain.push_back({{arg->id, reinterpret_cast<uintptr_t>(sv)}, sv});
   }

@@ -87,7 +87,14 @@ typedef struct {
   uint32_t has_post_acc_grad_hooks;
 } rg_node_info;
 
-rg_status rg_node_get_info(rg_node* node, rg_node_info* info);
+// Everything the graph walk reads of a node, in one call: its info; next_edges()[0..min(count,
+// edge_cap)) as borrowed node pointers (null for invalid edges) and input_nrs (count is
+// info->num_outputs); and the metadata of its inputs (what the engine checks gradients
+// against) as bytes, written up to meta_cap, full length in *meta_len: per input the int32s
+// dtype (c10::ScalarType), device type, device index and dim count (0 for nested tensors),
+// then the sizes as int64s.
+rg_status rg_node_describe(rg_node* node, rg_node_info* info, rg_node** nodes, uint32_t* input_nrs,
+                           size_t edge_cap, uint8_t* meta, size_t meta_cap, size_t* meta_len);
 // Fills next_edges()[0..n): borrowed node pointers (null for invalid edges) and input_nrs.
 rg_status rg_node_next_edges(rg_node* node, rg_node** nodes, uint32_t* input_nrs, size_t n);
 // node->name() into buf (truncated to cap); *len is the full length.
@@ -95,10 +102,6 @@ rg_status rg_node_name(rg_node* node, char* buf, size_t cap, size_t* len);
 // node->is_traceable(); a Python Function without an `is_traceable` attribute is not
 // traceable (torch raises AttributeError there; the error is cleared).
 rg_status rg_node_is_traceable(rg_node* node, int* out);
-// input_metadata(i): dtype (c10::ScalarType), device type and index, dim count and shape
-// (shape written up to cap entries).
-rg_status rg_node_input_metadata(rg_node* node, uint32_t i, int32_t* dtype, int32_t* device_type,
-                                 int32_t* device_index, int64_t* shape, size_t cap, size_t* ndim);
 
 // ---- hooks -----------------------------------------------------------------------------
 typedef enum {

@@ -73,7 +73,16 @@ extern "C" {
     fn rg_tensor_input_edge(t: *const C_tensor, node: *mut *mut RawNode, input_nr: *mut u32) -> c_int;
     fn rg_node_from_pyobject(obj: PyObjectPtr, node: *mut *mut RawNode) -> c_int;
     fn rg_node_to_pyobject(node: *mut RawNode, out: *mut PyObjectPtr) -> c_int;
-    fn rg_node_get_info(node: *mut RawNode, info: *mut RawNodeInfo) -> c_int;
+    fn rg_node_describe(
+        node: *mut RawNode,
+        info: *mut RawNodeInfo,
+        nodes: *mut *mut RawNode,
+        input_nrs: *mut u32,
+        edge_cap: usize,
+        meta: *mut u8,
+        meta_cap: usize,
+        meta_len: *mut usize,
+    ) -> c_int;
     fn rg_node_next_edges(
         node: *mut RawNode,
         nodes: *mut *mut RawNode,
@@ -82,16 +91,6 @@ extern "C" {
     ) -> c_int;
     fn rg_node_name(node: *mut RawNode, buf: *mut c_char, cap: usize, len: *mut usize) -> c_int;
     fn rg_node_is_traceable(node: *mut RawNode, out: *mut c_int) -> c_int;
-    fn rg_node_input_metadata(
-        node: *mut RawNode,
-        i: u32,
-        dtype: *mut i32,
-        device_type: *mut i32,
-        device_index: *mut i32,
-        shape: *mut i64,
-        cap: usize,
-        ndim: *mut usize,
-    ) -> c_int;
 
     fn rg_node_hook_dict(
         node: *mut RawNode,
@@ -246,15 +245,6 @@ pub enum HookKind {
     RetainsGrad = 3,
 }
 
-/// The metadata the engine checks a gradient against (`InputMetadata`).
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct InputMetadata {
-    pub dtype: i32,
-    pub device_type: i32,
-    pub device_index: i32,
-    pub shape: Vec<i64>,
-}
-
 /// An owned strong reference to a `torch::autograd::Node` (an `intrusive_ptr` count).
 ///
 /// Dropping it can drop the node's Python wrapper, so Python-facing code drops these with
@@ -322,10 +312,62 @@ impl NodeRef {
         Ok(out)
     }
 
-    pub fn info(&self) -> Result<NodeInfo, ShimError> {
+    /// What the graph walk reads of the node, in one shim call where the buffers suffice:
+    /// its info; its next edges, appended to `nodes` (borrowed pointers, None for invalid
+    /// edges) and `input_nrs`; the metadata of its inputs, appended to `meta` as bytes (see
+    /// `rg_node_describe`).
+    pub fn describe(
+        &self,
+        nodes: &mut Vec<Option<NonNull<RawNode>>>,
+        input_nrs: &mut Vec<u32>,
+        meta: &mut Vec<u8>,
+    ) -> Result<NodeInfo, ShimError> {
+        const EDGE_CAP: usize = 8;
+        const META_CAP: usize = 256;
         let mut raw = RawNodeInfo::default();
-        // SAFETY: the node is alive while self is.
-        check(unsafe { rg_node_get_info(self.as_ptr(), &mut raw) })?;
+        let mut edge_buf = [ptr::null_mut(); EDGE_CAP];
+        let mut nr_buf = [0u32; EDGE_CAP];
+        let meta_start = meta.len();
+        meta.resize(meta_start + META_CAP, 0);
+        let mut meta_len = 0usize;
+        // SAFETY: the node is alive while self is; each buffer holds its stated capacity.
+        check(unsafe {
+            rg_node_describe(
+                self.as_ptr(),
+                &mut raw,
+                edge_buf.as_mut_ptr(),
+                nr_buf.as_mut_ptr(),
+                EDGE_CAP,
+                meta[meta_start..].as_mut_ptr(),
+                META_CAP,
+                &mut meta_len,
+            )
+        })?;
+        if meta_len > META_CAP {
+            // Many or high-dimensional inputs: ask again with room for all of them.
+            meta.resize(meta_start + meta_len, 0);
+            // SAFETY: as above, with a metadata buffer of the full length.
+            check(unsafe {
+                rg_node_describe(
+                    self.as_ptr(),
+                    &mut raw,
+                    edge_buf.as_mut_ptr(),
+                    nr_buf.as_mut_ptr(),
+                    EDGE_CAP,
+                    meta[meta_start..].as_mut_ptr(),
+                    meta_len,
+                    &mut meta_len,
+                )
+            })?;
+        }
+        meta.truncate(meta_start + meta_len);
+        let num_outputs = raw.num_outputs as usize;
+        if num_outputs <= EDGE_CAP {
+            nodes.extend(edge_buf[..num_outputs].iter().map(|&p| NonNull::new(p)));
+            input_nrs.extend_from_slice(&nr_buf[..num_outputs]);
+        } else {
+            self.next_edges(raw.num_outputs, nodes, input_nrs)?;
+        }
         // SAFETY: typeid names are NUL-terminated strings in the library's static data.
         let type_name = unsafe { CStr::from_ptr(raw.type_name) };
         Ok(NodeInfo {
@@ -344,7 +386,7 @@ impl NodeRef {
 
     /// `next_edges()`: borrowed node pointers (None for invalid edges) and input_nrs,
     /// appended to the given vectors.
-    pub fn next_edges(
+    fn next_edges(
         &self,
         count: u32,
         nodes: &mut Vec<Option<NonNull<RawNode>>>,
@@ -386,37 +428,6 @@ impl NodeRef {
         // SAFETY: the node is alive while self is.
         check(unsafe { rg_node_is_traceable(self.as_ptr(), &mut out) })?;
         Ok(out != 0)
-    }
-
-    pub fn input_metadata(&self, i: u32) -> Result<InputMetadata, ShimError> {
-        let mut meta = InputMetadata {
-            dtype: 0,
-            device_type: 0,
-            device_index: 0,
-            shape: vec![0; 8],
-        };
-        let mut ndim = 0usize;
-        loop {
-            let cap = meta.shape.len();
-            // SAFETY: shape holds `cap` entries.
-            check(unsafe {
-                rg_node_input_metadata(
-                    self.as_ptr(),
-                    i,
-                    &mut meta.dtype,
-                    &mut meta.device_type,
-                    &mut meta.device_index,
-                    meta.shape.as_mut_ptr(),
-                    cap,
-                    &mut ndim,
-                )
-            })?;
-            if ndim <= cap {
-                meta.shape.truncate(ndim);
-                return Ok(meta);
-            }
-            meta.shape = vec![0; ndim];
-        }
     }
 
     /// Whether hook `i` of `kind` is a Python hook and, for tensor pre-hooks, the input it

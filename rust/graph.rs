@@ -142,10 +142,23 @@ impl Hasher for PtrHasher {
 
 pub(crate) type PtrMap<V> = HashMap<usize, V, BuildHasherDefault<PtrHasher>>;
 
-/// A graph together with the live nodes it was taken from (`handles[i]` is node i).
+/// A graph together with the live nodes it was taken from (`handles[i]` is node i) and the
+/// metadata of their inputs.
 pub struct Snapshot {
     pub graph: Graph,
     pub handles: Vec<NodeRef>,
+    /// `input_meta[meta_start[n]..meta_start[n + 1]]`: node n's input metadata bytes (see
+    /// `rg_node_describe`).
+    pub input_meta: Vec<u8>,
+    pub meta_start: Vec<u32>,
+}
+
+impl Snapshot {
+    /// The metadata (dtype, device, shape) of node `n`'s inputs, as bytes.
+    pub fn input_meta(&self, n: u32) -> &[u8] {
+        let n = n as usize;
+        &self.input_meta[self.meta_start[n] as usize..self.meta_start[n + 1] as usize]
+    }
 }
 
 /// Walks the graph reachable from the root edges, breadth first (the engine's
@@ -182,10 +195,15 @@ pub fn snapshot(roots: &[(NodeRef, u32)], outputs: &[Option<(NodeRef, u32)>]) ->
 
     let mut next_nodes: Vec<Option<NonNull<RawNode>>> = Vec::new();
     let mut input_nrs: Vec<u32> = Vec::new();
+    let mut input_meta: Vec<u8> = Vec::new();
+    let mut meta_start: Vec<u32> = vec![0];
     graph.edge_start.push(0);
     let mut n = 0usize;
     while n < handles.len() {
-        let info = handles[n].info()?;
+        next_nodes.clear();
+        input_nrs.clear();
+        let info = handles[n].describe(&mut next_nodes, &mut input_nrs, &mut input_meta)?;
+        meta_start.push(input_meta.len() as u32);
         let type_index = if info.kind == NodeKind::PythonFunction {
             let name = handles[n].name()?;
             let next = graph.type_names.len() as u32;
@@ -219,9 +237,6 @@ pub fn snapshot(roots: &[(NodeRef, u32)], outputs: &[Option<(NodeRef, u32)>]) ->
             },
         });
 
-        next_nodes.clear();
-        input_nrs.clear();
-        handles[n].next_edges(info.num_outputs, &mut next_nodes, &mut input_nrs)?;
         for (next, &input_nr) in next_nodes.iter().zip(&input_nrs) {
             let edge = match next {
                 Some(ptr) => Edge::new(discover(*ptr, &mut handles), input_nr),
@@ -242,7 +257,12 @@ pub fn snapshot(roots: &[(NodeRef, u32)], outputs: &[Option<(NodeRef, u32)>]) ->
             None => Edge::INVALID,
         })
         .collect();
-    Ok(Snapshot { graph, handles })
+    Ok(Snapshot {
+        graph,
+        handles,
+        input_meta,
+        meta_start,
+    })
 }
 
 fn display_name(node: &NodeRef, type_name: &CStr) -> Result<String, ShimError> {

@@ -236,21 +236,7 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
             put_u32(st, h.index);
             put_u32(st, h.value_idx.unwrap_or(u32::MAX));
         }
-        for i in 0..data.num_inputs {
-            let meta = node.input_metadata(i)?;
-            let md = &mut parts.metadata;
-            for v in [
-                meta.dtype,
-                meta.device_type,
-                meta.device_index,
-                meta.shape.len() as i32,
-            ] {
-                md.extend_from_slice(&v.to_le_bytes());
-            }
-            for d in &meta.shape {
-                md.extend_from_slice(&d.to_le_bytes());
-            }
-        }
+        parts.metadata.extend_from_slice(snapshot.input_meta(n));
 
         let mut mode = if !runs {
             StepMode::Skipped

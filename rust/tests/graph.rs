@@ -317,3 +317,27 @@ fn bad_step_numbers_are_errors_not_crashes() {
         }
     ));
 }
+
+#[test]
+fn input_metadata_bytes_are_dtype_device_and_shape() {
+    // y = (x * x).sum() over a 2x3 double leaf: SumBackward0's input is the 0-dim root
+    // gradient, MulBackward0's the 2x3 product.
+    let x = Tensor::ones([2, 3], (Kind::Double, Device::Cpu)).set_requires_grad(true);
+    let y = (&x * &x).sum(Kind::Double);
+    let plan = plan_of(&[&y]);
+    let meta_of = |name: &str| {
+        let n = (0..plan.snapshot.graph.len() as u32)
+            .find(|&n| plan.snapshot.graph.name(n) == name)
+            .expect("node present");
+        plan.snapshot.input_meta(n).to_vec()
+    };
+    let head = |ndim: i32| -> Vec<u8> {
+        // c10::ScalarType::Double = 7, DeviceType::CPU = 0, index -1.
+        [7i32, 0, -1, ndim].iter().flat_map(|v| v.to_le_bytes()).collect()
+    };
+    assert_eq!(meta_of("SumBackward0"), head(0));
+    let mut mul = head(2);
+    mul.extend(2i64.to_le_bytes());
+    mul.extend(3i64.to_le_bytes());
+    assert_eq!(meta_of("MulBackward0"), mul);
+}
