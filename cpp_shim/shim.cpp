@@ -487,6 +487,7 @@ rg_status rg_node_describe(rg_node* n, rg_node_info* info, rg_node** nodes, uint
   info->num_retains_grad_hooks = static_cast<uint32_t>(node.retains_grad_hooks().size());
   info->num_pre_hooks = static_cast<uint32_t>(node.pre_hooks().size());
   info->num_post_hooks = static_cast<uint32_t>(node.post_hooks().size());
+  info->non_strided_inputs = 0;
   const auto& post_acc = node.tensor_post_acc_grad_hooks();
   info->has_post_acc_grad_hooks =
       post_acc != nullptr &&
@@ -509,10 +510,15 @@ rg_status rg_node_describe(rg_node* n, rg_node_info* info, rg_node** nodes, uint
   for (uint32_t i = 0; i < info->num_inputs; ++i) {
     const auto& m = node.input_metadata(i);
     bool nested = m.is_nested_tensor() || m.is_cpp_nested_tensor();
-    int32_t head[4] = {
+    c10::Layout layout = m.layout();
+    if (layout != c10::kStrided) {
+      info->non_strided_inputs += 1;
+    }
+    int32_t head[5] = {
         static_cast<int32_t>(c10::typeMetaToScalarType(m.dtype())),
         static_cast<int32_t>(m.device().type()),
         static_cast<int32_t>(m.device().index()),
+        static_cast<int32_t>(layout),
         0,
     };
     if (nested) {
@@ -520,7 +526,7 @@ rg_status rg_node_describe(rg_node* n, rg_node_info* info, rg_node** nodes, uint
       continue;
     }
     const auto& shape = m.shape_as_dim_vector();
-    head[3] = static_cast<int32_t>(shape.size());
+    head[4] = static_cast<int32_t>(shape.size());
     put(head, sizeof head);
     for (const auto& d : shape) {
       int64_t v = d.guard_int(__FILE__, __LINE__);

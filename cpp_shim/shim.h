@@ -85,14 +85,16 @@ typedef struct {
   uint32_t num_pre_hooks;
   uint32_t num_post_hooks;
   uint32_t has_post_acc_grad_hooks;
+  // Inputs whose metadata has a layout other than strided (sparse, mkldnn, ...).
+  uint32_t non_strided_inputs;
 } rg_node_info;
 
 // Everything the graph walk reads of a node, in one call: its info; next_edges()[0..min(count,
 // edge_cap)) as borrowed node pointers (null for invalid edges) and input_nrs (count is
 // info->num_outputs); and the metadata of its inputs (what the engine checks gradients
 // against) as bytes, written up to meta_cap, full length in *meta_len: per input the int32s
-// dtype (c10::ScalarType), device type, device index and dim count (0 for nested tensors),
-// then the sizes as int64s.
+// dtype (c10::ScalarType), device type, device index, layout (c10::Layout) and dim count (0
+// for nested tensors), then the sizes as int64s.
 rg_status rg_node_describe(rg_node* node, rg_node_info* info, rg_node** nodes, uint32_t* input_nrs,
                            size_t edge_cap, uint8_t* meta, size_t meta_cap, size_t* meta_len);
 // Fills next_edges()[0..n): borrowed node pointers (null for invalid edges) and input_nrs.

@@ -44,6 +44,7 @@ struct RawNodeInfo {
     num_pre_hooks: u32,
     num_post_hooks: u32,
     has_post_acc_grad_hooks: u32,
+    non_strided_inputs: u32,
 }
 
 impl Default for RawNodeInfo {
@@ -59,6 +60,7 @@ impl Default for RawNodeInfo {
             num_pre_hooks: 0,
             num_post_hooks: 0,
             has_post_acc_grad_hooks: 0,
+            non_strided_inputs: 0,
         }
     }
 }
@@ -234,6 +236,8 @@ pub struct NodeInfo {
     pub num_pre_hooks: u32,
     pub num_post_hooks: u32,
     pub has_post_acc_grad_hooks: bool,
+    /// Every input's metadata has the strided layout (no sparse or mkldnn gradients).
+    pub strided_inputs: bool,
 }
 
 /// The hook lists of a node the engine calls, in the shim's numbering.
@@ -381,6 +385,7 @@ impl NodeRef {
             num_pre_hooks: raw.num_pre_hooks,
             num_post_hooks: raw.num_post_hooks,
             has_post_acc_grad_hooks: raw.has_post_acc_grad_hooks != 0,
+            strided_inputs: raw.non_strided_inputs == 0,
         })
     }
 

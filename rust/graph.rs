@@ -59,6 +59,8 @@ pub struct NodeData {
     pub type_index: u32,
     pub num_inputs: u32,
     pub hooks: HookCounts,
+    /// Every input is expected with the strided layout (see [`crate::ffi::NodeInfo`]).
+    pub strided_inputs: bool,
 }
 
 /// The reachable graph. Node 0.. are numbered in discovery order from the roots.
@@ -235,6 +237,7 @@ pub fn snapshot(roots: &[(NodeRef, u32)], outputs: &[Option<(NodeRef, u32)>]) ->
                 post: info.num_post_hooks,
                 post_acc_grad: info.has_post_acc_grad_hooks,
             },
+            strided_inputs: info.strided_inputs,
         });
 
         for (next, &input_nr) in next_nodes.iter().zip(&input_nrs) {
@@ -284,6 +287,7 @@ mod tests {
             type_index: 0,
             num_inputs: 1,
             hooks: HookCounts::default(),
+            strided_inputs: true,
         }
     }
 

@@ -128,6 +128,18 @@ fn hooks_of(
     Ok(())
 }
 
+/// Whether the gradients node `n` receives and the ones it returns are all expected strided.
+/// Sparse and mkldnn gradients (a sparse leaf, `to_mkldnn()`) stay out of compiled graphs:
+/// compilers trace dense tensors (inductor cannot compile sparse ones, and a node run on
+/// fake tensors returns strided gradients where mkldnn ones are due).
+fn strided_gradients(graph: &Graph, n: u32) -> bool {
+    graph.nodes[n as usize].strided_inputs
+        && graph
+            .next_edges(n)
+            .iter()
+            .all(|e| !e.is_valid() || graph.nodes[e.node as usize].strided_inputs)
+}
+
 /// Whether the node can run inside a traced graph, before looking at its saved state.
 fn may_trace(node: &NodeRef, kind: NodeKind) -> Result<bool, ShimError> {
     match kind {
@@ -248,7 +260,7 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
             } else {
                 StepMode::DeferredAccumulate
             }
-        } else if may_trace(node, data.kind)? {
+        } else if strided_gradients(graph, n) && may_trace(node, data.kind)? {
             StepMode::Traced
         } else {
             StepMode::Opaque

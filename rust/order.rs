@@ -378,6 +378,7 @@ mod tests {
             type_index: 0,
             num_inputs,
             hooks: HookCounts::default(),
+            strided_inputs: true,
         }
     }
 

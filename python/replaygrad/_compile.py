@@ -95,6 +95,8 @@ class Entry:
     failed: bool = False
     #: Python hooks are traced into the graph (until Dynamo recompiles because of them).
     hooks_in_graph: bool = True
+    #: Traced steps that run as themselves instead (they handle non-strided tensors).
+    opaque: frozenset[int] = frozenset()
 
 
 class CacheInfo(NamedTuple):
@@ -164,10 +166,36 @@ class ReplayCache:
             "on; running them outside the compiled graph from now on",
             plan.key,
         )
-        replay = build(plan, hooks_in_graph=False)
+        self._rebuild(entry, plan, config, False, entry.opaque)
+
+    def run_as_themselves(
+        self, entry: Entry, plan: _core.Plan, config: Config, steps: set[int]
+    ) -> None:
+        """Rebuilds ``entry`` with ``steps`` (traced ones that met sparse or other
+        non-strided tensors while the compiler failed) run as themselves, between compiled
+        regions."""
+        recompiles_log.info(
+            "compiling replay %s failed on steps with non-strided (e.g. sparse) tensors; "
+            "running steps %s as themselves",
+            plan.key,
+            sorted(steps),
+        )
+        self._rebuild(entry, plan, config, entry.hooks_in_graph, entry.opaque | steps)
+
+    def _rebuild(
+        self,
+        entry: Entry,
+        plan: _core.Plan,
+        config: Config,
+        hooks_in_graph: bool,
+        opaque: frozenset[int],
+    ) -> None:
+        replay = build(plan, hooks_in_graph, opaque)
+        source_log.debug("replay %s:\n%s", plan.key, replay.source)
         entry.replay = replay
         entry.compiled = _compile(replay.fn, config)
-        entry.hooks_in_graph = False
+        entry.hooks_in_graph = hooks_in_graph
+        entry.opaque = opaque
 
     def discard(self, config: Config, key: str) -> None:
         with self._lock:

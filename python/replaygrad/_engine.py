@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from . import _core
-from ._compile import Config, cache
+from ._compile import Config, Entry, cache
 from ._explain import table
 from ._logging import Lazy, log, plan_log
-from ._replay import node_error, running
+from ._replay import node_error, non_strided_steps, running
 
 _tls = threading.local()
 _install_lock = threading.Lock()
@@ -186,6 +186,22 @@ def _compile_failure(error: BaseException) -> bool:
     return isinstance(error, torch._dynamo.exc.TorchDynamoException)
 
 
+def _call(entry: Entry, plan: _core.Plan, config: Config, args: tuple) -> list:
+    """Calls the entry's replay with ``args``. Where the compiler fails on steps that met
+    sparse (or other non-strided) tensors only present at run time (e.g. the gradient of
+    ``gather(..., sparse_grad=True)``), before the replay deferred any effect, those steps
+    are made to run as themselves and the call is made again."""
+    deferred = args[-1]
+    while True:
+        try:
+            with running(plan), torch.no_grad(), non_strided_steps() as non_strided:
+                return entry.compiled(*args)
+        except torch._dynamo.exc.TorchDynamoException as error:
+            if deferred or node_error(error) is not None or not non_strided - entry.opaque:
+                raise
+        cache.run_as_themselves(entry, plan, config, non_strided)
+
+
 def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...] | None:
     plan_log.debug("plan:\n%s", Lazy(lambda: table(plan)))
     entry = cache.get(plan, config)
@@ -198,8 +214,7 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
     graphs = _graphs_compiled()
     deferred: list[torch.Tensor | None] = []
     try:
-        with running(plan), torch.no_grad():
-            captured = entry.compiled(grads, saved, hooks, deferred)
+        captured = _call(entry, plan, config, (grads, saved, hooks, deferred))
     except BaseException as error:  # KeyboardInterrupt too: leave no untested entry behind
         raised = node_error(error)
         if raised is not None or not _compile_failure(error):

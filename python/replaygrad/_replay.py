@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from . import _core
 
@@ -56,11 +57,43 @@ def apply_traced(step: int, inputs: list, saved: list) -> tuple:
     the eager backend call it with the values being traced or run.
     """
     try:
-        return current_plan().apply(step, inputs, saved)
+        outputs = current_plan().apply(step, inputs, saved)
     except Exception as error:
         if not isinstance(error, _TRACING_LIMITS):
             error.__replaygrad_node_error__ = True  # type: ignore[attr-defined]
         raise
+    first = next((o for o in outputs if o is not None), None)
+    if isinstance(first, FakeTensor):
+        _note_layouts(step, inputs, saved, outputs)
+    return outputs
+
+
+def _note_layouts(step: int, *groups: Sequence[Any]) -> None:
+    """While Dynamo traces a replay: notes a step that takes or returns a sparse (or other
+    non-strided) tensor, e.g. ``gather(..., sparse_grad=True)``'s backward. The plan only
+    knows the layouts the graph's metadata promises; such a step is found here, and if the
+    compiler then fails (inductor compiles dense tensors only), the replay is rebuilt with
+    it run as itself (see :func:`non_strided_steps`)."""
+    for group in groups:
+        for t in group:
+            if isinstance(t, torch.Tensor) and t.layout is not torch.strided:
+                noted = getattr(_tls, "non_strided", None)
+                if noted is not None:
+                    noted.add(step)
+                return
+
+
+class non_strided_steps:
+    """Collects the steps :func:`_note_layouts` finds while the block runs (a replay call,
+    which compiles on a miss)."""
+
+    def __enter__(self) -> set[int]:
+        self.prior = getattr(_tls, "non_strided", None)
+        _tls.non_strided = set()
+        return _tls.non_strided
+
+    def __exit__(self, *exc: object) -> None:
+        _tls.non_strided = self.prior
 
 
 # What a node raises when it is run on fake tensors it cannot handle: a limit of tracing,
@@ -279,7 +312,9 @@ _RUNTIME = {
 }
 
 
-def generate_source(plan: _core.Plan, hooks_in_graph: bool = True) -> str:
+def generate_source(
+    plan: _core.Plan, hooks_in_graph: bool = True, opaque: frozenset[int] = frozenset()
+) -> str:
     """Straight-line source for ``replay(grads, saved, hooks, deferred) -> captured``.
 
     The replay appends the values of the plan's deferred effects to ``deferred`` as it
@@ -288,7 +323,7 @@ def generate_source(plan: _core.Plan, hooks_in_graph: bool = True) -> str:
 
     ``hooks_in_graph=False`` calls Python hooks outside the graph (``*_outside``: graph
     breaks under Dynamo), after the deferred effects before them, as everything else
-    that runs outside the graph does.
+    that runs outside the graph does. Traced steps in ``opaque`` run as opaque ones.
     """
     where, arg = ("", "") if hooks_in_graph else ("_outside", "deferred, ")
     steps = plan.steps()
@@ -324,6 +359,8 @@ def generate_source(plan: _core.Plan, hooks_in_graph: bool = True) -> str:
                 python_hook += 1
             else:
                 out.append(f"    i = cpp_pre_hook(deferred, {s}, {pos}, i)")
+        if mode == "traced" and s in opaque:
+            mode = "opaque"
         if mode == "traced":
             out.append(f"    o{s} = apply_traced({s}, i, saved[{a}:{b}])")
         elif mode == "opaque":
@@ -385,9 +422,11 @@ def _dying_after(steps: list) -> dict[int, list[int]]:
     return dying
 
 
-def build(plan: _core.Plan, hooks_in_graph: bool = True) -> Replay:
-    """Generates and executes the replay source of ``plan``."""
-    source = generate_source(plan, hooks_in_graph)
+def build(
+    plan: _core.Plan, hooks_in_graph: bool = True, opaque: frozenset[int] = frozenset()
+) -> Replay:
+    """Generates and executes the replay source of ``plan`` (see :func:`generate_source`)."""
+    source = generate_source(plan, hooks_in_graph, opaque)
     namespace: dict[str, Any] = dict(_RUNTIME)
     code = compile(source, f"<replaygrad replay {plan.key[:12]}>", "exec")
     exec(code, namespace)

@@ -332,12 +332,38 @@ fn input_metadata_bytes_are_dtype_device_and_shape() {
         plan.snapshot.input_meta(n).to_vec()
     };
     let head = |ndim: i32| -> Vec<u8> {
-        // c10::ScalarType::Double = 7, DeviceType::CPU = 0, index -1.
-        [7i32, 0, -1, ndim].iter().flat_map(|v| v.to_le_bytes()).collect()
+        // c10::ScalarType::Double = 7, DeviceType::CPU = 0, index -1, Layout::Strided = 0.
+        [7i32, 0, -1, 0, ndim]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect()
     };
     assert_eq!(meta_of("SumBackward0"), head(0));
     let mut mul = head(2);
     mul.extend(2i64.to_le_bytes());
     mul.extend(3i64.to_le_bytes());
     assert_eq!(meta_of("MulBackward0"), mul);
+}
+
+#[test]
+fn nodes_with_sparse_gradients_run_opaque() {
+    // ToDenseBackward0 returns the sparse gradient of a sparse leaf: it stays out of
+    // compiled graphs; SumBackward0 (dense in, dense out) is traced.
+    let x = Tensor::eye(3, (Kind::Float, Device::Cpu))
+        .to_sparse(None, None::<&[i64]>, None)
+        .set_requires_grad(true);
+    let y = x.to_dense(None, false).sum(Kind::Float);
+    let plan = plan_of(&[&y]);
+    let modes: Vec<(String, StepMode)> = names(&plan)
+        .into_iter()
+        .zip(plan.layout.steps.iter().map(|s| s.mode))
+        .collect();
+    assert_eq!(
+        modes,
+        [
+            ("SumBackward0".to_owned(), StepMode::Traced),
+            ("ToDenseBackward0".to_owned(), StepMode::Opaque),
+            (ACC.to_owned(), StepMode::DeferredAccumulate),
+        ]
+    );
 }
