@@ -269,9 +269,10 @@ impl PyPlan {
         PyList::new(py, items)
     }
 
-    /// For every Python hook of the plan, in replay order: the hook's callables, read from
-    /// the live graph now (hooks are inputs of a replay, not part of its key).
-    fn hook_functions<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+    /// For every Python hook of the plan, in replay order: the hook's dict of callables (by
+    /// handle id), which the replay reads when it reaches the hook, as the engine does
+    /// (hooks are inputs of a replay, not part of its key).
+    fn hook_dicts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let mut out = Vec::new();
         for (s, step) in self.plan.layout.steps.iter().enumerate() {
             for i in step.hooks.clone() {
@@ -284,12 +285,7 @@ impl PyPlan {
                     .hook_dict(hook.kind, hook.index as usize)?
                     .ok_or_else(|| PyRuntimeError::new_err("a Python hook lost its dict"))?;
                 // SAFETY: a new reference to the hook's dict.
-                let dict = unsafe { Bound::from_owned_ptr(py, dict) };
-                let values = dict.call_method0("values")?;
-                out.push(PyList::new(
-                    py,
-                    values.try_iter()?.collect::<PyResult<Vec<_>>>()?,
-                )?);
+                out.push(unsafe { Bound::from_owned_ptr(py, dict) });
             }
         }
         PyList::new(py, out)

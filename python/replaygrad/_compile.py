@@ -93,7 +93,8 @@ class Entry:
     calls: int = 0
     #: Compiling failed and the config's fallback sends this plan to the engine.
     failed: bool = False
-    #: Python hooks are traced into the graph (until Dynamo recompiles because of them).
+    #: Python hooks are traced into the graph (compiled replays, until Dynamo recompiles
+    #: because of them).
     hooks_in_graph: bool = True
     #: Traced steps that run as themselves instead (they handle non-strided tensors).
     opaque: frozenset[int] = frozenset()
@@ -137,13 +138,15 @@ class ReplayCache:
                 Lazy(lambda: key_difference(plan, latest.step_digests, latest.order)),
             )
         # Uncompiled, hooks run as plain calls that see the effects before them.
-        replay = build(plan, hooks_in_graph=config.compiler is not None)
+        hooks_in_graph = config.compiler is not None
+        replay = build(plan, hooks_in_graph)
         source_log.debug("replay %s:\n%s", plan.key, replay.source)
         entry = Entry(
             replay=replay,
             compiled=_compile(replay.fn, config),
             step_digests=plan.step_digests(),
             order=plan.order(),
+            hooks_in_graph=hooks_in_graph,
         )
         with self._lock:
             self.misses += 1

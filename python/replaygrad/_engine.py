@@ -24,7 +24,7 @@ from . import _core
 from ._compile import Config, Entry, cache
 from ._explain import table
 from ._logging import Lazy, log, plan_log
-from ._replay import node_error, non_strided_steps, running
+from ._replay import hook_arguments, node_error, non_strided_steps, running
 
 _tls = threading.local()
 _install_lock = threading.Lock()
@@ -210,7 +210,7 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
         return None
     grads = plan.root_grads()
     saved = plan.saved_values()
-    hooks = plan.hook_functions()
+    hooks = hook_arguments(plan.hook_dicts(), entry.hooks_in_graph)
     graphs = _graphs_compiled()
     deferred: list[torch.Tensor | None] = []
     try:

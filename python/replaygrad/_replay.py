@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,7 +212,7 @@ def _check_result(original: tuple, result: Any, fn: object) -> None:
         _check_single_result(o, r, fn)
 
 
-def tensor_pre_hook(fns: Sequence[Callable], value: Any) -> Any:
+def tensor_pre_hook(fns: Iterable[Callable], value: Any) -> Any:
     """PyFunctionTensorPreHook: each hook sees the gradient of one input and may replace it."""
     for fn in fns:
         result = fn(value)
@@ -223,7 +223,7 @@ def tensor_pre_hook(fns: Sequence[Callable], value: Any) -> Any:
     return value
 
 
-def pre_hook(fns: Sequence[Callable], inputs: list) -> list:
+def pre_hook(fns: Iterable[Callable], inputs: list) -> list:
     """PyFunctionPreHook (grad_fn.register_prehook): hooks see and may replace all inputs."""
     values = tuple(inputs)
     for fn in fns:
@@ -235,7 +235,7 @@ def pre_hook(fns: Sequence[Callable], inputs: list) -> list:
     return list(values)
 
 
-def post_hook(fns: Sequence[Callable], outputs: tuple, inputs: list) -> tuple:
+def post_hook(fns: Iterable[Callable], outputs: tuple, inputs: list) -> tuple:
     """PyFunctionPostHook (grad_fn.register_hook): hook(grad_inputs, grad_outputs)."""
     values = tuple(outputs)
     grad_outputs = tuple(inputs)
@@ -248,17 +248,41 @@ def post_hook(fns: Sequence[Callable], outputs: tuple, inputs: list) -> tuple:
     return values
 
 
+def _live(fns: dict) -> Iterator[Callable]:
+    """The callables of a Python hook's dict as the engine calls them (``PyDict_Next`` over
+    the live dict): those an earlier hook removed are not called, those it added to this
+    dict are."""
+    for key in list(fns):
+        if key in fns:
+            yield fns[key]
+
+
 def _outside(hook: Callable[..., Any]) -> Callable[..., Any]:
     """``hook`` outside the graph (a graph break: Dynamo neither traces it nor guards on
-    what it touches), seeing the effects of the steps before it as in the engine."""
+    what it touches), seeing the effects of the steps before it as in the engine, and
+    the hook's dict as it is now (see :func:`hook_arguments`)."""
 
     @torch._dynamo.disable
     @functools.wraps(hook)
-    def call(deferred: list, *args: Any) -> Any:
+    def call(deferred: list, fns: dict, *args: Any) -> Any:
         _flush(deferred)
-        return hook(*args)
+        return hook(_live(fns), *args)
 
     return call
+
+
+def hook_arguments(dicts: list[dict], in_graph: bool) -> list:
+    """The ``hooks`` argument of a replay from the plan's hook dicts.
+
+    Out of the graph (and uncompiled), hooks read their dict when the replay reaches them,
+    as the engine does. Traced into the graph they get its callables as they are now: a
+    dict would make Dynamo guard on its keys, the handle ids, which are new whenever a hook
+    is registered on a new tensor (every iteration of a training loop), so every call would
+    recompile.
+    """
+    if in_graph:
+        return [list(d.values()) for d in dicts]
+    return dicts
 
 
 tensor_pre_hook_outside = _outside(tensor_pre_hook)
