@@ -264,11 +264,22 @@ def _outside(hook: Callable[..., Any]) -> Callable[..., Any]:
 
     @torch._dynamo.disable
     @functools.wraps(hook)
-    def call(deferred: list, fns: dict, *args: Any) -> Any:
+    def call(deferred: list, fns: HookDict, *args: Any) -> Any:
         _flush(deferred)
-        return hook(_live(fns), *args)
+        return hook(_live(fns.dict), *args)
 
     return call
+
+
+class HookDict:
+    """A hook's dict as a replay argument out of the graph: Dynamo guards on a dict's keys
+    (handle ids, new whenever a hook is registered on a new tensor) even when it only passes
+    the dict on to a graph break; behind an object it only checks the type."""
+
+    __slots__ = ("dict",)
+
+    def __init__(self, fns: dict) -> None:
+        self.dict = fns
 
 
 def hook_arguments(dicts: list[dict], in_graph: bool) -> list:
@@ -282,7 +293,7 @@ def hook_arguments(dicts: list[dict], in_graph: bool) -> list:
     """
     if in_graph:
         return [list(d.values()) for d in dicts]
-    return dicts
+    return [HookDict(d) for d in dicts]
 
 
 tensor_pre_hook_outside = _outside(tensor_pre_hook)
