@@ -332,25 +332,11 @@ impl NodeRef {
         let mut edge_buf = [ptr::null_mut(); EDGE_CAP];
         let mut nr_buf = [0u32; EDGE_CAP];
         let meta_start = meta.len();
-        meta.resize(meta_start + META_CAP, 0);
+        let mut meta_cap = META_CAP;
         let mut meta_len = 0usize;
-        // SAFETY: the node is alive while self is; each buffer holds its stated capacity.
-        check(unsafe {
-            rg_node_describe(
-                self.as_ptr(),
-                &mut raw,
-                edge_buf.as_mut_ptr(),
-                nr_buf.as_mut_ptr(),
-                EDGE_CAP,
-                meta[meta_start..].as_mut_ptr(),
-                META_CAP,
-                &mut meta_len,
-            )
-        })?;
-        if meta_len > META_CAP {
-            // Many or high-dimensional inputs: ask again with room for all of them.
-            meta.resize(meta_start + meta_len, 0);
-            // SAFETY: as above, with a metadata buffer of the full length.
+        loop {
+            meta.resize(meta_start + meta_cap, 0);
+            // SAFETY: the node is alive while self is; each buffer holds its stated capacity.
             check(unsafe {
                 rg_node_describe(
                     self.as_ptr(),
@@ -359,10 +345,15 @@ impl NodeRef {
                     nr_buf.as_mut_ptr(),
                     EDGE_CAP,
                     meta[meta_start..].as_mut_ptr(),
-                    meta_len,
+                    meta_cap,
                     &mut meta_len,
                 )
             })?;
+            if meta_len <= meta_cap {
+                break;
+            }
+            // Many or high-dimensional inputs: ask again with room for all of them.
+            meta_cap = meta_len;
         }
         meta.truncate(meta_start + meta_len);
         let num_outputs = raw.num_outputs as usize;

@@ -194,6 +194,16 @@ def eager_backward(*args, **kwargs) -> None:
     torch.autograd.backward(*args, **kwargs)
 
 
+def compare(run, compiler) -> None:
+    """``run(backward) -> (log, grads)`` with the engine and with replaygrad: the same log
+    and gradients (bit for bit uncompiled)."""
+    expected = run(eager_backward)
+    got = run(replay_backward(compiler))
+    exact = compiler is None
+    assert_same(tuple(expected[0]), tuple(got[0]), exact, "log")
+    assert_same(tuple(expected[1]), tuple(got[1]), exact, "grads")
+
+
 def replay_backward(compiler):
     """``backward`` through replaygrad with ``compiler``, asserting it really replayed."""
 

@@ -21,21 +21,12 @@ from conftest import (
     COMPILERS,
     FAST_COMPILERS,
     assert_same,
+    compare,
     eager_backward,
     grads_of,
     replay_backward,
     summary,
 )
-
-
-def compare(run, compiler) -> None:
-    """``run(backward) -> (log, grads)`` with the engine and with replaygrad."""
-    expected = run(eager_backward)
-    got = run(replay_backward(compiler))
-    exact = compiler is None
-    assert_same(tuple(expected[0]), tuple(got[0]), exact, "log")
-    assert_same(tuple(expected[1]), tuple(got[1]), exact, "grads")
-
 
 # ---- Python autograd.Functions -------------------------------------------------------------
 

@@ -196,8 +196,13 @@ def _call(entry: Entry, plan: _core.Plan, config: Config, args: tuple) -> list:
         try:
             with running(plan), torch.no_grad(), non_strided_steps() as non_strided:
                 return entry.compiled(*args)
-        except torch._dynamo.exc.TorchDynamoException as error:
-            if deferred or node_error(error) is not None or not non_strided - entry.opaque:
+        except Exception as error:
+            if (
+                not _compile_failure(error)
+                or deferred
+                or node_error(error) is not None
+                or not non_strided - entry.opaque
+            ):
                 raise
         cache.run_as_themselves(entry, plan, config, non_strided)
 
