@@ -195,6 +195,30 @@ SavedVariableMap& saved_variable_map(TensorArgs& args) {
   return args.*get(TensorArgsSavedVariables());
 }
 
+using TensorArgMap = std::unordered_map<const c10::TensorImpl*, TensorArg>;
+struct TensorArgsArgs {
+  using type = TensorArgMap TensorArgs::*;
+  friend type get(TensorArgsArgs);
+};
+template struct PrivateAccess<TensorArgsArgs, &TensorArgs::_args>;
+struct TensorArgsNextId {
+  using type = uint32_t TensorArgs::*;
+  friend type get(TensorArgsNextId);
+};
+template struct PrivateAccess<TensorArgsNextId, &TensorArgs::_next_id>;
+
+// Forgets the tensors of the nodes visited before: TensorArg ids (part of a node's key)
+// count from 1 for every node, so the key of a node does not depend on where it is in the
+// graph. Saved values are replay inputs one per SavedVariable, so which of them alias does
+// not change the replay.
+void reset_tensor_args(TensorArgs& args) {
+  saved_variable_map(args).clear();
+  (args.*get(TensorArgsArgs())).clear();
+  args.inputs.clear();
+  args.input_origins.clear();
+  args.*get(TensorArgsNextId()) = 1;
+}
+
 // The engine replays a GraphTask's delayed warnings with a method libtorch does not export;
 // these read its queue (and the grad mode a GraphTask runs with) the same way.
 struct DelayedWarnings {
@@ -783,7 +807,7 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
   Node& node = *as_node(n);
   AutogradCompilerCall& compiler = c->compiler;
   SavedVariableMap& unpacked = saved_variable_map(compiler.tensor_args);
-  unpacked.clear();
+  reset_tensor_args(compiler.tensor_args);
   compiler.sv_to_hooks.clear();
   size_t sizes_before = compiler.all_size_inputs.size();
 

@@ -44,6 +44,7 @@ from ._api import (  # noqa: E402
     plan,
     reset,
     set_cache_size,
+    set_region_size,
 )
 from ._compile import CacheInfo, Compiler  # noqa: E402
 
@@ -60,4 +61,5 @@ __all__ = [
     "plan",
     "reset",
     "set_cache_size",
+    "set_region_size",
 ]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,7 +15,7 @@ import torch
 from . import _core
 from ._explain import key_difference
 from ._logging import Lazy, cache_log, recompiles_log, source_log
-from ._replay import Replay, build
+from ._replay import Region, Replay, build
 
 #: What ``compiler=`` accepts: a torch.compile backend name, a callable that takes a
 #: function and returns a compiled one, or None (run the replay as plain Python).
@@ -87,17 +89,26 @@ class Entry:
     made of (to explain later misses)."""
 
     replay: Replay
-    compiled: Callable[..., Any]
     step_digests: bytes
     order: list[str]
     calls: int = 0
     #: Compiling failed and the config's fallback sends this plan to the engine.
     failed: bool = False
-    #: Python hooks are traced into the graph (compiled replays, until Dynamo recompiles
-    #: because of them).
-    hooks_in_graph: bool = True
     #: Traced steps that run as themselves instead (they handle non-strided tensors).
     opaque: frozenset[int] = frozenset()
+
+
+class _Compiled:
+    """A compiled region, shared by every cached replay that has a region with its key
+    (held by their drivers; dropped with the last of them)."""
+
+    __slots__ = ("__weakref__", "fn")
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
 
 
 class CacheInfo(NamedTuple):
@@ -116,10 +127,15 @@ class ReplayCache:
     """
 
     maxsize: int = 256
+    #: Steps per compiled region (see :func:`replaygrad._replay.regions`); None: one region.
+    region_size: int | None = field(default_factory=lambda: _region_size_from_env())
     hits: int = 0
     misses: int = 0
     _entries: OrderedDict[tuple[Config, str], Entry] = field(default_factory=OrderedDict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _regions: weakref.WeakValueDictionary[tuple[Config, str], _Compiled] = field(
+        default_factory=weakref.WeakValueDictionary
+    )
 
     def get(self, plan: _core.Plan, config: Config) -> Entry:
         key = (config, plan.key)
@@ -138,15 +154,11 @@ class ReplayCache:
                 Lazy(lambda: key_difference(plan, latest.step_digests, latest.order)),
             )
         # Uncompiled, hooks run as plain calls that see the effects before them.
-        hooks_in_graph = config.compiler is not None
-        replay = build(plan, hooks_in_graph)
-        source_log.debug("replay %s:\n%s", plan.key, replay.source)
+        replay = self._build(plan, config, config.compiler is not None, frozenset())
         entry = Entry(
             replay=replay,
-            compiled=_compile(replay.fn, config),
             step_digests=plan.step_digests(),
             order=plan.order(),
-            hooks_in_graph=hooks_in_graph,
         )
         with self._lock:
             self.misses += 1
@@ -169,7 +181,7 @@ class ReplayCache:
             "on; running them outside the compiled graph from now on",
             plan.key,
         )
-        self._rebuild(entry, plan, config, False, entry.opaque)
+        entry.replay = self._build(plan, config, False, entry.opaque)
 
     def run_as_themselves(
         self, entry: Entry, plan: _core.Plan, config: Config, steps: set[int]
@@ -183,22 +195,37 @@ class ReplayCache:
             plan.key,
             sorted(steps),
         )
-        self._rebuild(entry, plan, config, entry.hooks_in_graph, entry.opaque | steps)
+        entry.opaque |= steps
+        entry.replay = self._build(plan, config, entry.replay.hooks_in_graph, entry.opaque)
 
-    def _rebuild(
-        self,
-        entry: Entry,
-        plan: _core.Plan,
-        config: Config,
-        hooks_in_graph: bool,
-        opaque: frozenset[int],
-    ) -> None:
-        replay = build(plan, hooks_in_graph, opaque)
+    def _build(
+        self, plan: _core.Plan, config: Config, hooks_in_graph: bool, opaque: frozenset[int]
+    ) -> Replay:
+        """The replay of ``plan``, its regions compiled with ``config`` (or taken from other
+        cached replays that have them)."""
+
+        def compile_region(region: Region, fn: Callable[..., Any]) -> Callable[..., Any]:
+            key = (config, region.key)
+            with self._lock:
+                compiled = self._regions.get(key)
+            if compiled is None:
+                compiled = _Compiled(_compile(fn, config))
+                with self._lock:
+                    self._regions[key] = compiled
+            return compiled
+
+        size = self.region_size if config.compiler is not None else None
+        saved = plan.saved_values() if size is not None else ()
+        replay = build(plan, compile_region, hooks_in_graph, opaque, size, saved)
         source_log.debug("replay %s:\n%s", plan.key, replay.source)
-        entry.replay = replay
-        entry.compiled = _compile(replay.fn, config)
-        entry.hooks_in_graph = hooks_in_graph
-        entry.opaque = opaque
+        return replay
+
+    def set_region_size(self, steps: int | None) -> None:
+        if steps is not None and (
+            not isinstance(steps, int) or isinstance(steps, bool) or steps < 1
+        ):
+            raise ValueError(f"region size must be a positive int or None, got {steps!r}")
+        self.region_size = steps
 
     def discard(self, config: Config, key: str) -> None:
         with self._lock:
@@ -218,10 +245,22 @@ class ReplayCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._regions.clear()
             self.hits = self.misses = 0
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _region_size_from_env() -> int | None:
+    value = os.environ.get("REPLAYGRAD_REGION_SIZE", "").strip().lower()
+    if not value:
+        return 300
+    if value == "none":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"REPLAYGRAD_REGION_SIZE must be a positive int or 'none', got {value!r}")
+    return int(value)
 
 
 cache = ReplayCache()

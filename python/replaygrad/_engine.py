@@ -186,24 +186,25 @@ def _compile_failure(error: BaseException) -> bool:
     return isinstance(error, torch._dynamo.exc.TorchDynamoException)
 
 
-def _call(entry: Entry, plan: _core.Plan, config: Config, args: tuple) -> list:
+def _call(entry: Entry, plan: _core.Plan, config: Config, args: tuple, run: running) -> list:
     """Calls the entry's replay with ``args``. Where the compiler fails on steps that met
     sparse (or other non-strided) tensors only present at run time (e.g. the gradient of
-    ``gather(..., sparse_grad=True)``), before the replay deferred any effect, those steps
-    are made to run as themselves and the call is made again."""
+    ``gather(..., sparse_grad=True)``) while the call can still start over, those steps are
+    made to run as themselves and the call is made again."""
     deferred = args[-1]
     while True:
         try:
-            with running(plan), torch.no_grad(), non_strided_steps() as non_strided:
-                return entry.compiled(*args)
+            with run, torch.no_grad(), non_strided_steps() as non_strided:
+                return entry.replay.fn(*args)
         except Exception as error:
             if (
                 not _compile_failure(error)
-                or deferred
+                or not run.restartable
                 or node_error(error) is not None
                 or not non_strided - entry.opaque
             ):
                 raise
+        deferred.clear()
         cache.run_as_themselves(entry, plan, config, non_strided)
 
 
@@ -215,11 +216,12 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
         return None
     grads = plan.root_grads()
     saved = plan.saved_values()
-    hooks = hook_arguments(plan.hook_dicts(), entry.hooks_in_graph)
+    hooks = hook_arguments(plan.hook_dicts(), entry.replay.hooks_in_graph)
     graphs = _graphs_compiled()
     deferred: list[torch.Tensor | None] = []
+    run = running(plan)
     try:
-        captured = _call(entry, plan, config, (grads, saved, hooks, deferred))
+        captured = _call(entry, plan, config, (grads, saved, hooks, deferred), run)
     except BaseException as error:  # KeyboardInterrupt too: leave no untested entry behind
         raised = node_error(error)
         if raised is not None or not _compile_failure(error):
@@ -230,6 +232,16 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
             plan.run_deferred(deferred, complete=False)
             if raised is not None and raised is not error:
                 raise raised.with_traceback(raised.__traceback__) from None
+            raise
+        if config.fallback == "eager" and not run.restartable:
+            # Hooks, graph breaks or accumulations of this call ran before the compile of a
+            # later region failed: the engine would run them again.
+            entry.failed = True
+            error.add_note(
+                f"replaygrad: compiling a region of the replay of plan {plan.key} failed after "
+                "parts of this backward ran, so the engine cannot run it instead; later calls "
+                "with this plan run in the engine"
+            )
             raise
         if config.fallback == "eager":
             log.warning(
@@ -255,7 +267,7 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
     if (
         hooks
         and entry.calls > 1
-        and entry.hooks_in_graph
+        and entry.replay.hooks_in_graph
         and not config.fullgraph
         and _graphs_compiled() > graphs
     ):

@@ -6,14 +6,22 @@ backward call to the next is an argument: the root gradients, the saved values, 
 callables. Nodes are reached through the plan being run (``current_plan``), by step number,
 inside functions Dynamo does not trace, so a compiled replay carries no guard on this
 iteration's graph and is reused across iterations.
+
+A replay is a driver that calls one or more regions, each a function over a range of steps
+that is compiled on its own. Regions name steps relative to their first one (the driver
+sets where it is, :func:`at`), so a large graph of repeated structure (layers, unrolled
+steps, a long chain) is split into regions with the same source, compiled once.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -24,26 +32,58 @@ from . import _core
 _tls = threading.local()
 
 
-def current_plan() -> _core.Plan:
-    """The plan whose replay is running on this thread."""
-    plan = getattr(_tls, "plan", None)
-    if plan is None:
-        raise RuntimeError("replaygrad: a replay step ran outside of a replay")
-    return plan
-
-
 class running:
-    """Makes ``plan`` the current plan of this thread for the duration of a replay."""
+    """The replay of ``plan`` running on this thread (nested replays, e.g. a backward
+    called by a hook, stack)."""
 
     def __init__(self, plan: _core.Plan) -> None:
         self.plan = plan
+        #: Step ``k`` of the running region is step ``base + k`` of the plan.
+        self.base = 0
+        #: Nothing of this call has been seen outside the compiled graphs yet (no effect
+        #: applied, no hook or graph break run), so a failed compile can start it over.
+        self.restartable = True
 
-    def __enter__(self) -> None:
-        self.prior = getattr(_tls, "plan", None)
-        _tls.plan = self.plan
+    def __enter__(self) -> running:
+        self.prior = getattr(_tls, "run", None)
+        self.base = 0
+        self.restartable = True
+        _tls.run = self
+        return self
 
     def __exit__(self, *exc: object) -> None:
-        _tls.plan = self.prior
+        _tls.run = self.prior
+
+
+def _running() -> running:
+    run = getattr(_tls, "run", None)
+    if run is None:
+        raise RuntimeError("replaygrad: a replay step ran outside of a replay")
+    return run
+
+
+def current_plan() -> _core.Plan:
+    """The plan whose replay is running on this thread."""
+    return _running().plan
+
+
+def _step(k: int) -> int:
+    return _running().base + k
+
+
+def at(base: int) -> None:
+    """The driver, before a region: the region's step ``k`` is the plan's ``base + k``."""
+    _running().base = base
+
+
+def between(deferred: list, hooks_ran: bool) -> None:
+    """The driver, after a region: performs the deferred effects it reached, so that every
+    region starts with an empty ``deferred`` (Dynamo guards on its length).
+    ``hooks_ran``: the region called Python hooks in its graph."""
+    if deferred or hooks_ran:
+        _running().restartable = False
+    if deferred:
+        current_plan().run_deferred(deferred, complete=False)
 
 
 # ---- steps the replay calls --------------------------------------------------------------
@@ -57,7 +97,7 @@ def apply_traced(step: int, inputs: list, saved: list) -> tuple:
     the eager backend call it with the values being traced or run.
     """
     try:
-        outputs = current_plan().apply(step, inputs, saved)
+        outputs = current_plan().apply(_step(step), inputs, saved)
     except Exception as error:
         if not isinstance(error, _TRACING_LIMITS):
             error.__replaygrad_node_error__ = True  # type: ignore[attr-defined]
@@ -79,7 +119,7 @@ def _note_layouts(step: int, *groups: Sequence[Any]) -> None:
             if isinstance(t, torch.Tensor) and t.layout is not torch.strided:
                 noted = getattr(_tls, "non_strided", None)
                 if noted is not None:
-                    noted.add(step)
+                    noted.add(_step(step))
                 return
 
 
@@ -127,7 +167,9 @@ def node_error(error: BaseException) -> BaseException | None:
 
 def _flush(deferred: list) -> None:
     """Performs the deferred effects the replay has reached (accumulations, retain_grads)
-    before code that may observe them (``.grad`` in a hook or an opaque node) runs."""
+    before code that may observe them (``.grad`` in a hook or an opaque node) runs, which
+    makes the call no longer restartable."""
+    _running().restartable = False
     if deferred:
         current_plan().run_deferred(deferred, complete=False)
 
@@ -136,7 +178,7 @@ def _flush(deferred: list) -> None:
 def apply_opaque(deferred: list, step: int, inputs: list) -> tuple:
     """An opaque step: a graph break that runs the current graph's node as itself."""
     _flush(deferred)
-    return current_plan().apply(step, inputs)
+    return current_plan().apply(_step(step), inputs)
 
 
 @torch._dynamo.disable
@@ -144,7 +186,7 @@ def apply_accumulate(deferred: list, step: int, inputs: list, take: bool) -> tup
     """An AccumulateGrad run in place (hooks observe it), handed its gradient so that it can
     steal it as in the engine; ``take``: no post hook needs ``inputs`` afterwards."""
     _flush(deferred)
-    current_plan().accumulate(step, inputs, take)
+    current_plan().accumulate(_step(step), inputs, take)
     return ()
 
 
@@ -152,13 +194,13 @@ def apply_accumulate(deferred: list, step: int, inputs: list, take: bool) -> tup
 def cpp_pre_hook(deferred: list, step: int, position: int, values: list) -> list:
     """A C++ pre-kind hook (no Python dict to trace): a graph break through the engine API."""
     _flush(deferred)
-    return list(current_plan().call_hook(step, position, values))
+    return list(current_plan().call_hook(_step(step), position, values))
 
 
 @torch._dynamo.disable
 def cpp_post_hook(deferred: list, step: int, position: int, outputs: tuple, inputs: list) -> tuple:
     _flush(deferred)
-    return current_plan().call_hook(step, position, outputs, inputs)
+    return current_plan().call_hook(_step(step), position, outputs, inputs)
 
 
 # ---- Python hooks, as torch/csrc/autograd/python_hook.cpp calls them ----------------------
@@ -324,10 +366,41 @@ def buffer_sum(*grads: Any) -> Any:
 
 
 @dataclass(frozen=True)
+class Region:
+    """Steps ``start..end`` of a replay as one function, ``region(inc, saved, hooks,
+    deferred) -> (exports, captured)``.
+
+    ``inc`` holds the gradients flowing in from before the region (root gradients, outputs
+    of earlier steps), ``exports`` the outputs of its steps read after it. The source names
+    steps, saved values, hooks and captures relative to the region, so that regions of
+    repeated structure have the same source and the same key.
+    """
+
+    start: int
+    end: int
+    source: str
+    #: The source and what the nodes it calls are (type, input metadata, specialisation,
+    #: the metadata their outputs are validated against, saved values' metadata): regions
+    #: with the same key trace to the same graph.
+    key: str
+    #: Input buffers ``(step, input)`` of later steps: those it takes partly summed, in the
+    #: order of ``inc``, and those it hands on (see :func:`_region_source`).
+    incoming: tuple[tuple[int, int], ...]
+    exports: tuple[tuple[int, int], ...]
+    #: The plan's capture index of each of the region's captures.
+    captures: tuple[int, ...]
+    saved: tuple[int, int]
+    hooks: tuple[int, int]
+
+
+@dataclass(frozen=True)
 class Replay:
-    """A replay function and the source it was generated from."""
+    """A replay: the driver function, its regions and their source."""
 
     fn: Callable[[tuple, list, list, list], list]
+    regions: tuple[Region, ...]
+    #: Python hooks are traced into the compiled regions.
+    hooks_in_graph: bool
     source: str
 
 
@@ -348,121 +421,325 @@ _RUNTIME = {
 
 
 def generate_source(
-    plan: _core.Plan, hooks_in_graph: bool = True, opaque: frozenset[int] = frozenset()
+    plan: _core.Plan,
+    hooks_in_graph: bool = True,
+    opaque: frozenset[int] = frozenset(),
+    region_size: int | None = None,
 ) -> str:
-    """Straight-line source for ``replay(grads, saved, hooks, deferred) -> captured``.
+    """The replay source of ``plan``: the driver, then its regions (see :func:`regions`)."""
+    steps = plan.steps()
+    found = regions(plan, steps, hooks_in_graph, opaque, region_size)
+    return _replay_source(found, _driver_source(steps, found, plan.num_captures, hooks_in_graph))
 
-    The replay appends the values of the plan's deferred effects to ``deferred`` as it
-    reaches them, so that after an error the caller can still apply those that came
-    before it, as the engine would have.
+
+def _replay_source(found: Sequence[Region], driver: str) -> str:
+    return "\n".join(
+        [driver] + [f"# region {r} (key {g.key[:16]})\n{g.source}" for r, g in enumerate(found)]
+    )
+
+
+def regions(
+    plan: _core.Plan,
+    steps: list,
+    hooks_in_graph: bool = True,
+    opaque: frozenset[int] = frozenset(),
+    region_size: int | None = None,
+    saved: Sequence[Any] = (),
+) -> tuple[Region, ...]:
+    """Splits ``plan`` into regions of about ``region_size`` steps (see :func:`_cuts`; one
+    region if None) and generates their source.
+
+    A region runs its steps as the engine does (see :func:`_region_source`). Cuts fall
+    before a step like the most common one (same node type and key parts) once a region
+    has ``region_size`` steps, so that in a graph of repeated structure the regions repeat
+    too. ``saved`` (the plan's saved values, when known) adds their metadata to the keys.
+    """
+    digests = plan.step_digests()
+    # Per step: what the node is, whatever step it is (type, input metadata, specialisation).
+    what = [(step[0], step[1], digests[24 * s + 8 : 24 * s + 24]) for s, step in enumerate(steps)]
+    effects = {(step, pos) for step, _kind, pos in plan.deferred()}
+    cuts = _cuts(what, region_size)
+    out = []
+    python_hooks = 0
+    for start, end in pairwise(cuts):
+        source, incoming, exports, captures, used = _region_source(
+            steps, start, end, effects, hooks_in_graph, opaque, python_hooks
+        )
+        a, b = (steps[start][6], steps[end - 1][7]) if end > start else (0, 0)
+        identity = [
+            (what[s], [(what[t][2][:8] if t >= 0 else None, nr) for t, nr in steps[s][9]])
+            for s in range(start, end)
+        ]
+        identity.append([_meta(v) for v in saved[a:b]])
+        if hooks_in_graph and used:
+            # Traced hooks are this region's own: Dynamo guards on the callables, which
+            # differ from place to place.
+            identity.append((plan.key, start))
+        key = hashlib.blake2b(f"{source}\n{identity!r}".encode(), digest_size=16).hexdigest()
+        out.append(
+            Region(
+                start,
+                end,
+                source,
+                key,
+                incoming,
+                exports,
+                captures,
+                (a, b),
+                (python_hooks, python_hooks + used),
+            )
+        )
+        python_hooks += used
+    return tuple(out)
+
+
+def _meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.layout, tuple(value.shape), value.stride())
+    return type(value)
+
+
+def _cuts(what: list, size: int | None) -> list[int]:
+    """Region boundaries for graphs of more than three regions' worth of steps (smaller
+    ones compile as fast whole, and run faster): a cut before a step like the most common
+    one (an "anchor") once the region has ``size`` steps, or anyway at twice that; at
+    ``size`` where no step repeats often enough to align regions."""
+    n = len(what)
+    if size is None or n <= 3 * size:
+        return [0, n]
+    anchor, count = Counter(what).most_common(1)[0]
+    limit = 2 * size if count * size >= n else size
+    cuts = [0]
+    for s in range(1, n):
+        length = s - cuts[-1]
+        if length >= size and (what[s] == anchor or length >= limit):
+            cuts.append(s)
+    cuts.append(n)
+    return cuts
+
+
+def _region_source(
+    steps: list,
+    start: int,
+    end: int,
+    effects: set[tuple[int, int]],
+    hooks_in_graph: bool,
+    opaque: frozenset[int],
+    hook_base: int,
+) -> tuple[str, tuple, tuple, tuple, int]:
+    """Straight-line source for ``region(inc, saved, hooks, deferred)``, one block per step
+    as engine.cpp runs it, and its interface: the incoming and exported input buffers (as
+    ``(step, input)``), the captures, the number of Python hooks.
+
+    An input buffer of a later step is summed as gradients arrive, in arrival order, as
+    InputBuffer::add does: a region takes the sum of what arrived before it and exports it
+    with its own gradients added, so that the gradients of a shared parameter are not all
+    kept until its AccumulateGrad runs.
+
+    The region appends the values of the plan's deferred effects to ``deferred`` as it
+    reaches them, so that after an error the caller can still apply those that came before
+    it, as the engine would have.
 
     ``hooks_in_graph=False`` calls Python hooks outside the graph (``*_outside``: graph
-    breaks under Dynamo), after the deferred effects before them, as everything else
-    that runs outside the graph does. Traced steps in ``opaque`` run as opaque ones.
+    breaks under Dynamo), after the deferred effects before them, as everything else that
+    runs outside the graph does. Traced steps in ``opaque`` run as opaque ones.
     """
     where, arg = ("", "") if hooks_in_graph else ("_outside", "deferred, ")
-    steps = plan.steps()
-    effects = {(step, pos) for step, _kind, pos in plan.deferred()}
-    dying = _dying_after(steps)
+    incoming: dict[tuple[int, int], int] = {}
+    captures: list[int] = []
 
-    out = ["def replay(grads, saved, hooks, deferred):"]
-    out.append(f"    captured = [None] * {plan.num_captures}")
-    python_hook = 0
-    for s, step in enumerate(steps):
-        name, _kind, mode, seq, _inputs, _outputs, a, b, slots, _targets, hooks, captures = step
-        out.append(f"    # step {s}: {name} (sequence_nr {seq}, {mode})")
-        out.append(f"    i = [{', '.join(_slot_expr(srcs) for srcs in slots)}]")
+    def buffer(step: int, slot: int) -> str:
+        """Input buffer ``slot`` of ``step`` in the region: what arrived before it, then
+        the gradients of the region's steps."""
+        sources = steps[step][8][slot]
+        terms = [f"o{p - start}[{i}]" for p, i in sources if p >= start]
+        if any(p < start for p, _ in sources):
+            terms.insert(0, f"inc[{incoming.setdefault((step, slot), len(incoming))}]")
+        return _sum(terms)
+
+    # Buffers of later steps that this region feeds, summed as their gradients arrive;
+    # every step's outputs die after their last reader here.
+    feeds: dict[int, list[tuple[tuple[int, int], int]]] = {}
+    last = {p: p for p in range(start, end)}
+    for p in range(start, end):
+        for t, _ in steps[p][9]:
+            if start <= t < end:
+                last[p] = max(last[p], t)
+    for target in dict.fromkeys(
+        (t, slot) for p in range(start, end) for t, slot in steps[p][9] if t >= end
+    ):
+        for p, i in steps[target[0]][8][target[1]]:
+            if start <= p < end:
+                feeds.setdefault(p, []).append((target, i))
+    dying: dict[int, list[int]] = {}
+    for p in range(start, end):
+        if _has_outputs(steps[p]):
+            dying.setdefault(last[p], []).append(p)
+
+    saved_base = steps[start][6] if end > start else 0
+    body = []
+    exports: list[tuple[int, int]] = []
+    partial: dict[tuple[int, int], str] = {}
+    hook = hook_base
+    for s in range(start, end):
+        name, _kind, mode, _seq, _inputs, _outputs, a, b, slots, _targets, hooks, caps = steps[s]
+        k = s - start
+        body.append(f"# step {k}: {name} ({mode})")
+        body.append(f"i = [{', '.join(buffer(s, slot) for slot in range(len(slots)))}]")
+        capture_lines = []
+        for j, c in caps:
+            capture_lines.append(f"captured[{len(captures)}] = i[{j}]")
+            captures.append(c)
         if mode != "skipped":
             # evaluate_function captures a needed node's inputs as they arrived.
-            out.extend(f"    captured[{k}] = i[{j}]" for j, k in captures)
+            body.extend(capture_lines)
         # engine.cpp call_function: tensor pre-hooks and retains_grad hooks, pre-hooks,
         # apply (with validate_outputs), post-hooks.
         post = []
         for pos, (hook_kind, index, python, value_idx) in enumerate(hooks):
+            h = hook - hook_base
             if hook_kind == "post":
-                post.append((pos, python, python_hook if python else None))
-                python_hook += python
+                post.append((pos, python, h if python else None))
+                hook += python
             elif hook_kind == "retains_grad":
                 assert (s, pos) in effects
-                out.append(f"    deferred.append(i[{index}])")
+                body.append(f"deferred.append(i[{index}])")
             elif python and hook_kind == "tensor_pre":
-                v, h = value_idx, python_hook
-                out.append(f"    i[{v}] = tensor_pre_hook{where}({arg}hooks[{h}], i[{v}])")
-                python_hook += 1
+                v = value_idx
+                body.append(f"i[{v}] = tensor_pre_hook{where}({arg}hooks[{h}], i[{v}])")
+                hook += 1
             elif python:
-                out.append(f"    i = pre_hook{where}({arg}hooks[{python_hook}], i)")
-                python_hook += 1
+                body.append(f"i = pre_hook{where}({arg}hooks[{h}], i)")
+                hook += 1
             else:
-                out.append(f"    i = cpp_pre_hook(deferred, {s}, {pos}, i)")
+                body.append(f"i = cpp_pre_hook(deferred, {k}, {pos}, i)")
         if mode == "traced" and s in opaque:
             mode = "opaque"
         if mode == "traced":
-            out.append(f"    o{s} = apply_traced({s}, i, saved[{a}:{b}])")
+            body.append(f"o{k} = apply_traced({k}, i, saved[{a - saved_base}:{b - saved_base}])")
         elif mode == "opaque":
-            out.append(f"    o{s} = apply_opaque(deferred, {s}, i)")
+            body.append(f"o{k} = apply_opaque(deferred, {k}, i)")
         elif mode == "eager_accumulate":
             # The engine moves the gradient into AccumulateGrad: drop the outputs that held
-            # it first, so that nothing but `i` (kept for post hooks) still does.
-            producers = [p for p in dying.get(s, ()) if p != s and _has_outputs(steps[p])]
+            # it first, so that nothing but `i` (kept for post hooks) still does. (A
+            # gradient from an earlier region is still held by `inc`: it is copied.)
+            producers = [p for p in dying.get(s, ()) if p != s]
             dying[s] = [p for p in dying.get(s, ()) if p not in producers]
             if producers:
-                out.append(f"    del {', '.join(f'o{p}' for p in producers)}")
-            out.append(f"    o{s} = apply_accumulate(deferred, {s}, i, {not post})")
+                body.append(f"del {', '.join(f'o{p - start}' for p in producers)}")
+            body.append(f"o{k} = apply_accumulate(deferred, {k}, i, {not post})")
         elif mode == "deferred_accumulate":
             assert (s, -1) in effects
-            out.append("    deferred.append(i[0])")
+            body.append("deferred.append(i[0])")
         elif mode == "skipped":
             # Not needed: popped only to run its tensor pre-hooks and take its captures.
-            out.extend(f"    captured[{k}] = i[{j}]" for j, k in captures)
+            body.extend(capture_lines)
         else:
             raise AssertionError(f"unknown step mode {mode!r}")
         for pos, python, h in post:
             if python:
-                out.append(f"    o{s} = post_hook{where}({arg}hooks[{h}], o{s}, i)")
+                body.append(f"o{k} = post_hook{where}({arg}hooks[{h}], o{k}, i)")
             else:
-                out.append(f"    o{s} = cpp_post_hook(deferred, {s}, {pos}, o{s}, i)")
-        # Drop gradients once their last consumer ran, as the engine's buffers do.
-        dead = [f"o{p}" for p in dying.get(s, ()) if _has_outputs(steps[p])]
+                body.append(f"o{k} = cpp_post_hook(deferred, {k}, {pos}, o{k}, i)")
+        for target, terms in _grouped(feeds.get(s, ()), f"o{k}"):
+            if target in partial:
+                terms.insert(0, partial[target])
+            else:
+                partial[target] = f"e{len(exports)}"
+                exports.append(target)
+                if any(p < start for p, _ in steps[target[0]][8][target[1]]):
+                    terms.insert(0, f"inc[{incoming.setdefault(target, len(incoming))}]")
+            body.append(f"{partial[target]} = {_sum(terms)}")
+        # Drop gradients once their last reader ran, as the engine's buffers do.
+        dead = [f"o{p - start}" for p in dying.get(s, ())]
         if dead:
-            out.append(f"    del {', '.join(dead)}")
-    out.append("    return captured")
-    return "\n".join(out) + "\n"
+            body.append(f"del {', '.join(dead)}")
+    returned = "".join(f"{partial[target]}, " for target in exports)
+    lines = [
+        "def region(inc, saved, hooks, deferred):",
+        f"    captured = [None] * {len(captures)}",
+        *(f"    {line}" for line in body),
+        f"    return ({returned}), captured",
+    ]
+    source = "\n".join(lines) + "\n"
+    return source, tuple(incoming), tuple(exports), tuple(captures), hook - hook_base
+
+
+def _sum(terms: list[str]) -> str:
+    if not terms:
+        return "None"
+    return terms[0] if len(terms) == 1 else f"buffer_sum({', '.join(terms)})"
+
+
+def _grouped(feeds: Iterable[tuple[Any, int]], outputs: str) -> list:
+    """``[(target, ["o3[i]", ...])]`` from ``[(target, i)]``, in first-seen order."""
+    groups: dict[Any, list[str]] = {}
+    for target, i in feeds:
+        groups.setdefault(target, []).append(f"{outputs}[{i}]")
+    return list(groups.items())
 
 
 def _has_outputs(step: tuple) -> bool:
     return step[2] in ("traced", "opaque", "eager_accumulate")
 
 
-def _slot_expr(sources: list[tuple[int, int]]) -> str:
-    terms = [f"grads[{i}]" if step < 0 else f"o{step}[{i}]" for step, i in sources]
-    if not terms:
-        return "None"
-    if len(terms) == 1:
-        return terms[0]
-    return f"buffer_sum({', '.join(terms)})"
-
-
-def _dying_after(steps: list) -> dict[int, list[int]]:
-    """For each step, the steps whose outputs it is the last to read."""
-    last: dict[int, int] = {}
-    for s, step in enumerate(steps):
-        last.setdefault(s, s)
-        for sources in step[8]:
-            for src, _ in sources:
-                if src >= 0:
-                    last[src] = max(last.get(src, s), s)
-    dying: dict[int, list[int]] = {}
-    for producer, consumer in sorted(last.items()):
-        dying.setdefault(consumer, []).append(producer)
-    return dying
+def _driver_source(
+    steps: list, regions: Sequence[Region], num_captures: int, hooks_in_graph: bool
+) -> str:
+    """``replay(grads, saved, hooks, deferred) -> captured``: calls the regions (``R0``,
+    ``R1``, ...) in order, handing input buffers from region to region (a buffer that no
+    region fed yet holds the root gradients), with :func:`between` after each."""
+    names: dict[tuple[int, int], str] = {}
+    count = 0
+    out = [
+        "def replay(grads, saved, hooks, deferred):",
+        f"    captured = [None] * {num_captures}",
+    ]
+    whole = len(regions) == 1
+    for r, g in enumerate(regions):
+        inc = []
+        dead = []
+        for target in g.incoming:
+            if target in names:
+                dead.append(names.pop(target))
+                inc.append(dead[-1])
+            else:
+                roots = [f"grads[{i}]" for p, i in steps[target[0]][8][target[1]] if p < 0]
+                inc.append(_sum(roots))
+        for target in g.exports:
+            names[target] = f"x{count}"
+            count += 1
+        exported = "".join(f"{names[target]}, " for target in g.exports)
+        captured = "".join(f"captured[{c}], " for c in g.captures)
+        (a, b), (h0, h1) = g.saved, g.hooks
+        args = "saved, hooks" if whole else f"saved[{a}:{b}], hooks[{h0}:{h1}]"
+        out.append(f"    at({g.start})")
+        out.append(f"    ({exported}), ({captured}) = R{r}([{', '.join(inc)}], {args}, deferred)")
+        if dead:
+            out.append(f"    del {', '.join(dead)}")
+        if r + 1 < len(regions):
+            out.append(f"    between(deferred, {hooks_in_graph and h1 > h0})")
+    out.append("    return captured")
+    return "\n".join(out) + "\n"
 
 
 def build(
-    plan: _core.Plan, hooks_in_graph: bool = True, opaque: frozenset[int] = frozenset()
+    plan: _core.Plan,
+    compile_region: Callable[[Region, Callable[..., Any]], Callable[..., Any]],
+    hooks_in_graph: bool = True,
+    opaque: frozenset[int] = frozenset(),
+    region_size: int | None = None,
+    saved: Sequence[Any] = (),
 ) -> Replay:
-    """Generates and executes the replay source of ``plan`` (see :func:`generate_source`)."""
-    source = generate_source(plan, hooks_in_graph, opaque)
-    namespace: dict[str, Any] = dict(_RUNTIME)
-    code = compile(source, f"<replaygrad replay {plan.key[:12]}>", "exec")
-    exec(code, namespace)
-    return Replay(fn=namespace["replay"], source=source)
+    """Generates the replay of ``plan``, each region's function compiled by
+    ``compile_region(region, fn)``."""
+    steps = plan.steps()
+    found = regions(plan, steps, hooks_in_graph, opaque, region_size, saved)
+    namespace: dict[str, Any] = {"at": at, "between": between, "buffer_sum": buffer_sum}
+    for r, g in enumerate(found):
+        scope: dict[str, Any] = dict(_RUNTIME)
+        exec(compile(g.source, f"<replaygrad region {g.key[:12]}>", "exec"), scope)
+        namespace[f"R{r}"] = compile_region(g, scope["region"])
+    driver = _driver_source(steps, found, plan.num_captures, hooks_in_graph)
+    exec(compile(driver, f"<replaygrad replay {plan.key[:12]}>", "exec"), namespace)
+    return Replay(namespace["replay"], found, hooks_in_graph, _replay_source(found, driver))

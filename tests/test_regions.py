@@ -1,0 +1,293 @@
+"""Large graphs are split into regions, each compiled on its own; regions of the same
+structure share one compiled function (``replaygrad.set_region_size``). Every test runs with
+regions of a few steps and compares with eager autograd."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import replaygrad
+from replaygrad._compile import cache
+
+from conftest import assert_grads_equal, assert_same, compare, grads_of, summary
+
+REGION = 4
+
+
+@pytest.fixture(autouse=True)
+def small_regions():
+    prior = cache.region_size
+    replaygrad.set_region_size(REGION)
+    yield
+    replaygrad.set_region_size(prior)
+
+
+def counting(compiles: list, backend: str | None = None):
+    """A compiler callable that records each function it is given (a region's) and
+    compiles it with ``backend`` (None: runs it as Python)."""
+
+    def compiler(fn):
+        compiles.append(fn)
+        return fn if backend is None else torch.compile(fn, backend=backend)
+
+    return compiler
+
+
+def chain(leaf: torch.Tensor, w: torch.Tensor, n: int = 45) -> torch.Tensor:
+    """sin, ``* w`` and ``+ 0.1`` in turn: every third step sends a gradient to ``w``,
+    whose AccumulateGrad runs last, so gradients cross every region boundary."""
+    y = leaf
+    for i in range(n):
+        y = torch.sin(y) if i % 3 == 0 else y * w if i % 3 == 1 else y + 0.1
+    return y.sum()
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_a_chain_compiles_one_region_per_shape_and_matches_eager(backend):
+    leaf, w = torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True)
+    chain(leaf, w).backward()
+    expected = grads_of([leaf, w])
+    compiles: list = []
+    compiler = counting(compiles, backend)
+    for _ in range(3):
+        leaf.grad = w.grad = None
+        replaygrad.backward(chain(leaf, w), compiler=compiler)
+        assert_grads_equal(expected, grads_of([leaf, w]), exact=backend is None)
+    (entry,) = cache._entries.values()
+    regions = entry.replay.regions
+    assert len(regions) >= 7
+    # Each region hands on the chain's gradient and the sum of w's gradients so far.
+    assert all(len(r.exports) == 2 for r in regions[:-1])
+    # The first region (the root's), the repeated one, the last (AccumulateGrads): 3
+    # functions compiled, once, for 7+ regions over 3 calls.
+    assert len({r.key for r in regions}) == len(compiles) <= 3
+    assert cache.misses == 1 and cache.hits == 2
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_chains_of_other_lengths_reuse_the_repeated_region(backend):
+    leaf, w = torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True)
+    compiles: list = []
+    compiler = counting(compiles, backend)
+    keys = []
+    for n in (45, 60):
+        replaygrad.backward(chain(leaf, w, n), compiler=compiler)
+        keys.append({r.key for r in cache._entries[next(reversed(cache._entries))].replay.regions})
+    assert keys[0] & keys[1]
+    assert len(compiles) == len(keys[0] | keys[1])
+
+
+@pytest.mark.parametrize("compiler", [None, "aot_eager"])
+def test_hooks_in_many_regions_run_as_in_eager(compiler):
+    if compiler is None:
+        compiler = counting([])  # regions, run as Python
+
+    def run(backward):
+        torch.manual_seed(0)
+        leaf, w = torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True)
+        log = []
+        y = leaf
+        for i in range(30):
+            y = torch.sin(y) if i % 2 else y * w
+            if i % 7 == 3:
+                y.register_hook(lambda g, i=i: log.append(("tensor", i, summary(g))) or g * 2)
+            if i % 9 == 4:
+                y.grad_fn.register_prehook(lambda gs, i=i: log.append(("pre", i, summary(gs))))
+                y.grad_fn.register_hook(lambda gi, go, i=i: log.append(("post", i, summary(gi))))
+            if i == 11:
+                y.retain_grad()
+                kept = y
+        w.register_post_accumulate_grad_hook(lambda p: log.append(("acc", summary(p.grad))))
+        backward(y.sum())
+        log.append(("retained", summary(kept.grad)))
+        return log, (leaf.grad, w.grad)
+
+    compare(run, compiler)
+
+
+@pytest.mark.parametrize("compiler", [None, "aot_eager"])
+def test_grad_captures_inputs_across_regions(compiler):
+    if compiler is None:
+        compiler = counting([])
+    leaf, w = torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True)
+    y = leaf
+    middles = []
+    for i in range(40):
+        y = torch.sin(y) if i % 2 else y * w
+        if i % 10 == 5:
+            middles.append(y)
+    unused = torch.randn(3, requires_grad=True)
+    inputs = [w, *middles, leaf, unused]
+    expected = torch.autograd.grad(y.sum(), inputs, retain_graph=True, allow_unused=True)
+    got = replaygrad.grad(y.sum(), inputs, retain_graph=True, allow_unused=True, compiler=compiler)
+    assert_grads_equal(list(expected), list(got), exact=not isinstance(compiler, str))
+
+
+class Raise(Exception):
+    pass
+
+
+@pytest.mark.parametrize("compiler", [None, "aot_eager"])
+def test_an_error_in_a_late_region_keeps_the_earlier_accumulations(compiler):
+    if compiler is None:
+        compiler = counting([])
+
+    def fail(g):
+        raise Raise("hook")
+
+    def run(backward):
+        torch.manual_seed(0)
+        early, mid, late = (torch.randn(4, requires_grad=True) for _ in range(3))
+        y = late
+        for i in range(24):
+            y = y * mid if i == 12 else y.sin()
+            if i == 1:
+                y.register_hook(fail)  # near the leaf: runs in the last region
+        loss = early.sum() * 2 + y.sum()
+        with pytest.raises(Raise, match="hook"):
+            backward(loss)
+        return [], (early.grad, mid.grad, late.grad)
+
+    compare(run, compiler)
+
+
+class NotTraceable(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_graph_breaks_inside_regions_run_the_current_nodes(backend):
+    def make(scale):
+        leaf = torch.full((4,), scale, requires_grad=True)
+        y = leaf
+        for i in range(24):
+            y = NotTraceable.apply(y) if i % 5 == 2 else y.sin()
+        return leaf, y.sum()
+
+    compiles: list = []
+    compiler = counting(compiles, backend)
+    for scale in (0.5, 1.5):
+        leaf, loss = make(scale)
+        expected = torch.autograd.grad(loss, leaf, retain_graph=True)
+        replaygrad.backward(loss, compiler=compiler)
+        assert_grads_equal(list(expected), [leaf.grad], exact=backend is None)
+    assert cache.misses == 1
+
+
+def test_training_a_deep_mlp_compiles_once():
+    def make():
+        layers = []
+        for _ in range(6):
+            layers += [torch.nn.Linear(16, 16), torch.nn.Tanh()]
+        return torch.nn.Sequential(*layers)
+
+    from conftest import compare_training
+
+    compare_training(make, lambda: torch.randn(5, 16), "aot_eager", iterations=3)
+    assert cache.misses == 1
+    (entry,) = cache._entries.values()
+    assert len(entry.replay.regions) > 3
+
+
+def test_fullgraph_with_a_traced_hook_in_a_region():
+    a = torch.randn(3, requires_grad=True)
+    y = a
+    for _ in range(12):
+        y = y.sin()
+    stuff = []
+
+    def hook(grads):
+        stuff.append(grads[0])
+        return grads
+
+    y.grad_fn.next_functions[0][0].register_prehook(hook)
+    expected = torch.autograd.grad(y.sum(), a, retain_graph=True)
+    seen_by_eager = stuff[:]
+    stuff.clear()
+    replaygrad.backward(y.sum(), compiler=torch.compile(backend="eager", fullgraph=True))
+    assert_same(tuple(seen_by_eager), tuple(stuff), False, "hook")
+    assert_same(expected[0], a.grad, False, "grad")
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "4", True])
+def test_region_size_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="region size"):
+        replaygrad.set_region_size(bad)
+
+
+def test_no_regions_with_none():
+    replaygrad.set_region_size(None)
+    leaf, w = torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True)
+    replaygrad.backward(chain(leaf, w), compiler=counting([]))
+    (entry,) = cache._entries.values()
+    assert len(entry.replay.regions) == 1
+
+
+def failing_from_the_second_region(compiles: list):
+    """A compiler whose second region fails to compile when first called (Dynamo wraps a
+    backend's errors in a TorchDynamoException)."""
+
+    def compiler(fn):
+        compiles.append(fn)
+        if len(compiles) != 2:
+            return fn
+
+        def fail(*args):
+            raise torch._dynamo.exc.TorchDynamoException("the backend failed")
+
+        return fail
+
+    return compiler
+
+
+def test_a_compile_failure_after_an_accumulation_is_not_handed_to_the_engine():
+    def make():
+        torch.manual_seed(0)
+        early, late = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
+        y = late
+        for _ in range(20):
+            y = y.sin()
+        return early, late, early.sum() * 2 + y.sum()
+
+    early, late, loss = make()
+    loss.backward()
+    expected = grads_of([early, late])
+    compiler = failing_from_the_second_region([])
+    early, late, loss = make()
+    # early's AccumulateGrad runs in the first region: the engine would accumulate it twice.
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException) as info:
+        replaygrad.backward(loss, compiler=compiler, fallback="eager")
+    assert any("cannot run it instead" in note for note in info.value.__notes__)
+    assert_grads_equal([expected[0]], [early.grad], exact=True)
+    # Later calls with this plan run in the engine.
+    early, late, loss = make()
+    before = replaygrad.cache_info()
+    replaygrad.backward(loss, compiler=compiler, fallback="eager")
+    assert replaygrad.cache_info().hits == before.hits + 1
+    assert_grads_equal(expected, grads_of([early, late]), exact=True)
+
+
+def test_a_compile_failure_before_anything_ran_falls_back_to_the_engine():
+    def make():
+        torch.manual_seed(0)
+        leaf = torch.randn(4, requires_grad=True)
+        y = leaf
+        for _ in range(20):
+            y = y.sin()
+        return leaf, y.sum()
+
+    leaf, loss = make()
+    loss.backward()
+    expected = leaf.grad.clone()
+    leaf, loss = make()
+    # Nothing outside the graph happens before the second region: the call starts over
+    # in the engine.
+    replaygrad.backward(loss, compiler=failing_from_the_second_region([]), fallback="eager")
+    assert_grads_equal([expected], [leaf.grad], exact=True)
