@@ -57,7 +57,16 @@ from replaygrad import _core
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SYSTEMS = ("eager", "ca_aot_eager", "ca_inductor", "rg_none", "rg_aot_eager", "rg_inductor")
-WORKLOADS = ("mlp", "transformer", "gru", "chain100", "chain1000", "chain10000")
+WORKLOADS = (
+    "mlp",
+    "transformer",
+    "gru",
+    "chain100",
+    "chain1000",
+    "chain3000",
+    "chain10000",
+    "chain30000",
+)
 QUICK_WORKLOADS = ("mlp", "transformer", "gru", "chain100", "chain1000")
 PLAN_SIZES = (10**3, 10**4, 10**5)
 QUICK_PLAN_SIZES = (10**3, 10**4)

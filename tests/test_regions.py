@@ -4,6 +4,8 @@ regions of a few steps and compares with eager autograd."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 
@@ -247,21 +249,22 @@ def failing_from_the_second_region(compiles: list):
     return compiler
 
 
-def test_a_compile_failure_after_an_accumulation_is_not_handed_to_the_engine():
+def test_a_compile_failure_after_a_graph_break_is_not_handed_to_the_engine():
     def make():
         torch.manual_seed(0)
         early, late = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
         y = late
         for _ in range(20):
             y = y.sin()
-        return early, late, early.sum() * 2 + y.sum()
+        # NotTraceable runs as itself (a graph break) in the first region, after early's
+        # accumulation, which it may observe: both happened when the second region fails.
+        return early, late, early.sum() * 2 + NotTraceable.apply(y).sum()
 
     early, late, loss = make()
     loss.backward()
     expected = grads_of([early, late])
     compiler = failing_from_the_second_region([])
     early, late, loss = make()
-    # early's AccumulateGrad runs in the first region: the engine would accumulate it twice.
     with pytest.raises(torch._dynamo.exc.TorchDynamoException) as info:
         replaygrad.backward(loss, compiler=compiler, fallback="eager")
     assert any("cannot run it instead" in note for note in info.value.__notes__)
@@ -277,17 +280,35 @@ def test_a_compile_failure_after_an_accumulation_is_not_handed_to_the_engine():
 def test_a_compile_failure_before_anything_ran_falls_back_to_the_engine():
     def make():
         torch.manual_seed(0)
-        leaf = torch.randn(4, requires_grad=True)
-        y = leaf
+        early, late = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
+        y = late
         for _ in range(20):
             y = y.sin()
-        return leaf, y.sum()
+        return early, late, early.sum() * 2 + y.sum()
 
-    leaf, loss = make()
+    early, late, loss = make()
     loss.backward()
-    expected = leaf.grad.clone()
-    leaf, loss = make()
-    # Nothing outside the graph happens before the second region: the call starts over
-    # in the engine.
+    expected = grads_of([early, late])
+    early, late, loss = make()
+    # early's accumulation is reached in the first region but only performed at the end:
+    # nothing was seen outside the graph when the second region fails, so the engine
+    # runs the call (accumulating once).
     replaygrad.backward(loss, compiler=failing_from_the_second_region([]), fallback="eager")
-    assert_grads_equal([expected], [leaf.grad], exact=True)
+    assert_grads_equal(expected, grads_of([early, late]), exact=True)
+
+
+def test_cuts_align_with_the_repeated_structure():
+    from replaygrad._replay import _cuts
+
+    # A head, 40 repeats of a 7-step block, a tail: regions start at the block's most
+    # common step, so all but the first and the last are the same.
+    block = ["a", "b", "a", "c", "d", "a", "e"]
+    what = ["root", "x"] + block * 40 + ["acc", "acc"]
+    cuts = _cuts(what, 20)
+    assert cuts[0] == 0 and cuts[-1] == len(what)
+    middle = [what[a:b] for a, b in pairwise(cuts[1:-1])]
+    assert len(middle) >= 8 and all(m == middle[0] for m in middle)
+    # Nothing repeats: cut every 20 steps. Small graphs: one region.
+    assert _cuts([str(i) for i in range(100)], 20) == [0, 20, 40, 60, 80, 100]
+    assert _cuts(what[:60], 20) == [0, 60]
+    assert _cuts(what, None) == [0, len(what)]

@@ -191,7 +191,6 @@ def _call(entry: Entry, plan: _core.Plan, config: Config, args: tuple, run: runn
     sparse (or other non-strided) tensors only present at run time (e.g. the gradient of
     ``gather(..., sparse_grad=True)``) while the call can still start over, those steps are
     made to run as themselves and the call is made again."""
-    deferred = args[-1]
     while True:
         try:
             with run, torch.no_grad(), non_strided_steps() as non_strided:
@@ -204,7 +203,7 @@ def _call(entry: Entry, plan: _core.Plan, config: Config, args: tuple, run: runn
                 or not non_strided - entry.opaque
             ):
                 raise
-        deferred.clear()
+        run.pending.clear()
         cache.run_as_themselves(entry, plan, config, non_strided)
 
 
@@ -219,9 +218,9 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
     hooks = hook_arguments(plan.hook_dicts(), entry.replay.hooks_in_graph)
     graphs = _graphs_compiled()
     deferred: list[torch.Tensor | None] = []
-    run = running(plan)
+    run = running(plan, deferred)
     try:
-        captured = _call(entry, plan, config, (grads, saved, hooks, deferred), run)
+        captured = _call(entry, plan, config, (grads, saved, hooks), run)
     except BaseException as error:  # KeyboardInterrupt too: leave no untested entry behind
         raised = node_error(error)
         if raised is not None or not _compile_failure(error):
@@ -233,17 +232,21 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
             if raised is not None and raised is not error:
                 raise raised.with_traceback(raised.__traceback__) from None
             raise
-        if config.fallback == "eager" and not run.restartable:
+        if not run.restartable:
             # Hooks, graph breaks or accumulations of this call ran before the compile of a
-            # later region failed: the engine would run them again.
-            entry.failed = True
-            error.add_note(
-                f"replaygrad: compiling a region of the replay of plan {plan.key} failed after "
-                "parts of this backward ran, so the engine cannot run it instead; later calls "
-                "with this plan run in the engine"
-            )
-            raise
-        if config.fallback == "eager":
+            # later region failed: the engine would run them again. As after an error, the
+            # effects reached are performed.
+            del saved
+            plan.run_deferred(deferred, complete=False)
+            if config.fallback == "eager":
+                entry.failed = True
+                error.add_note(
+                    f"replaygrad: compiling a region of the replay of plan {plan.key} failed "
+                    "after parts of this backward ran, so the engine cannot run it instead; "
+                    "later calls with this plan run in the engine"
+                )
+                raise
+        elif config.fallback == "eager":
             log.warning(
                 "replaygrad: compiling the replay of plan %s failed (%s: %s); this and later "
                 "calls with this plan run in the engine",

@@ -34,10 +34,19 @@ _tls = threading.local()
 
 class running:
     """The replay of ``plan`` running on this thread (nested replays, e.g. a backward
-    called by a hook, stack)."""
+    called by a hook, stack).
 
-    def __init__(self, plan: _core.Plan) -> None:
+    Deferred effects: each region appends the values of those it reaches to a list of its
+    own (Dynamo guards on the length of a list argument, so every region gets an empty
+    one, see :func:`at`); the lists are gathered in ``pending``, in engine order, and
+    performed before anything outside the graph runs and at the end (by the caller).
+    """
+
+    def __init__(self, plan: _core.Plan, pending: list) -> None:
         self.plan = plan
+        self.pending = pending
+        #: The running region's list of deferred values.
+        self.local: list = []
         #: Step ``k`` of the running region is step ``base + k`` of the plan.
         self.base = 0
         #: Nothing of this call has been seen outside the compiled graphs yet (no effect
@@ -52,6 +61,8 @@ class running:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.pending.extend(self.local)
+        self.local = []
         _tls.run = self.prior
 
 
@@ -71,19 +82,17 @@ def _step(k: int) -> int:
     return _running().base + k
 
 
-def at(base: int) -> None:
-    """The driver, before a region: the region's step ``k`` is the plan's ``base + k``."""
-    _running().base = base
-
-
-def between(deferred: list, hooks_ran: bool) -> None:
-    """The driver, after a region: performs the deferred effects it reached, so that every
-    region starts with an empty ``deferred`` (Dynamo guards on its length).
-    ``hooks_ran``: the region called Python hooks in its graph."""
-    if deferred or hooks_ran:
-        _running().restartable = False
-    if deferred:
-        current_plan().run_deferred(deferred, complete=False)
+def at(base: int, hooks_ran: bool = False) -> list:
+    """The driver, before a region: the region's step ``k`` is the plan's ``base + k``;
+    returns the region's (empty) list of deferred values. ``hooks_ran``: the region before
+    called Python hooks in its graph."""
+    run = _running()
+    if hooks_ran:
+        run.restartable = False
+    run.pending.extend(run.local)
+    run.base = base
+    run.local = []
+    return run.local
 
 
 # ---- steps the replay calls --------------------------------------------------------------
@@ -169,9 +178,11 @@ def _flush(deferred: list) -> None:
     """Performs the deferred effects the replay has reached (accumulations, retain_grads)
     before code that may observe them (``.grad`` in a hook or an opaque node) runs, which
     makes the call no longer restartable."""
-    _running().restartable = False
-    if deferred:
-        current_plan().run_deferred(deferred, complete=False)
+    run = _running()
+    run.restartable = False
+    for values in (run.pending, deferred):
+        if values:
+            run.plan.run_deferred(values, complete=False)
 
 
 @torch._dynamo.disable
@@ -397,7 +408,7 @@ class Region:
 class Replay:
     """A replay: the driver function, its regions and their source."""
 
-    fn: Callable[[tuple, list, list, list], list]
+    fn: Callable[[tuple, list, list], list]
     regions: tuple[Region, ...]
     #: Python hooks are traced into the compiled regions.
     hooks_in_graph: bool
@@ -686,13 +697,13 @@ def _has_outputs(step: tuple) -> bool:
 def _driver_source(
     steps: list, regions: Sequence[Region], num_captures: int, hooks_in_graph: bool
 ) -> str:
-    """``replay(grads, saved, hooks, deferred) -> captured``: calls the regions (``R0``,
+    """``replay(grads, saved, hooks) -> captured``: calls the regions (``R0``,
     ``R1``, ...) in order, handing input buffers from region to region (a buffer that no
-    region fed yet holds the root gradients), with :func:`between` after each."""
+    region fed yet holds the root gradients), each after :func:`at`."""
     names: dict[tuple[int, int], str] = {}
     count = 0
     out = [
-        "def replay(grads, saved, hooks, deferred):",
+        "def replay(grads, saved, hooks):",
         f"    captured = [None] * {num_captures}",
     ]
     whole = len(regions) == 1
@@ -713,12 +724,11 @@ def _driver_source(
         captured = "".join(f"captured[{c}], " for c in g.captures)
         (a, b), (h0, h1) = g.saved, g.hooks
         args = "saved, hooks" if whole else f"saved[{a}:{b}], hooks[{h0}:{h1}]"
-        out.append(f"    at({g.start})")
-        out.append(f"    ({exported}), ({captured}) = R{r}([{', '.join(inc)}], {args}, deferred)")
+        hooks_ran = r > 0 and hooks_in_graph and regions[r - 1].hooks[1] > regions[r - 1].hooks[0]
+        out.append(f"    d = at({g.start}{', True' if hooks_ran else ''})")
+        out.append(f"    ({exported}), ({captured}) = R{r}([{', '.join(inc)}], {args}, d)")
         if dead:
             out.append(f"    del {', '.join(dead)}")
-        if r + 1 < len(regions):
-            out.append(f"    between(deferred, {hooks_in_graph and h1 > h0})")
     out.append("    return captured")
     return "\n".join(out) + "\n"
 
@@ -735,7 +745,7 @@ def build(
     ``compile_region(region, fn)``."""
     steps = plan.steps()
     found = regions(plan, steps, hooks_in_graph, opaque, region_size, saved)
-    namespace: dict[str, Any] = {"at": at, "between": between, "buffer_sum": buffer_sum}
+    namespace: dict[str, Any] = {"at": at, "buffer_sum": buffer_sum}
     for r, g in enumerate(found):
         scope: dict[str, Any] = dict(_RUNTIME)
         exec(compile(g.source, f"<replaygrad region {g.key[:12]}>", "exec"), scope)

@@ -273,6 +273,23 @@ fn the_key_is_structural() {
 }
 
 #[test]
+fn a_nodes_specialisation_does_not_depend_on_where_it_is() {
+    // Each SinBackward0 saves a different tensor; compiled_args numbers the tensors it
+    // sees, and those numbers restart at every node.
+    let x = leaf(&[0.1, 0.2, 0.3]);
+    let y = x.sin().sin().sin().sin().sum(Kind::Float);
+    let plan = plan_of(&[&y]);
+    let sins: Vec<_> = names(&plan)
+        .iter()
+        .zip(&plan.layout.digests)
+        .filter(|(name, _)| name.as_str() == "SinBackward0")
+        .map(|(_, digest)| digest[2])
+        .collect();
+    assert_eq!(sins.len(), 4);
+    assert!(sins.iter().all(|d| *d == sins[0]), "{sins:?}");
+}
+
+#[test]
 fn released_graph_fails_like_the_engine() {
     let x = leaf(&[1.0, 2.0]);
     let y = x.exp().sum(Kind::Float);
