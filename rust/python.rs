@@ -400,12 +400,6 @@ impl PyPlan {
         Ok(())
     }
 
-    /// How many deferred effects have been performed so far.
-    #[getter]
-    fn effects_done(&self) -> usize {
-        self.effects_done.get()
-    }
-
     /// Frees the saved variables of every executed node (backward without retain_graph).
     fn release_variables(&self) -> PyResult<()> {
         Ok(self.plan.release_variables()?)
