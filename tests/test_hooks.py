@@ -492,6 +492,32 @@ def test_hook_removed_or_added_to_an_existing_dict_by_an_earlier_hook(compiler):
     compare(run, compiler)
 
 
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_hook_removed_by_another_callable_of_the_same_dict_still_runs(compiler):
+    # The engine takes the dict's values when it starts calling them (test_autograd's
+    # test_grad_fn_prehooks_remove_hooks): removing a later callable of the same dict does
+    # not stop it this time.
+    def run(backward):
+        torch.manual_seed(0)
+        log = []
+        x = torch.randn(3, requires_grad=True)
+        h = x * 2
+        out = h.exp()
+
+        def first(g):
+            log.append(("first",))
+            second.remove()
+            h.register_hook(lambda g: log.append(("added",)))
+
+        h.register_hook(first)
+        second = h.register_hook(lambda g: log.append(("second", summary(g))) or g * 3)
+        out.grad_fn.register_prehook(lambda go: log.append(("pre",)))
+        backward(out.sum())
+        return log, grads_of([x])
+
+    compare(run, compiler)
+
+
 # ---- removed hooks -----------------------------------------------------------------------
 
 

@@ -312,3 +312,51 @@ def test_cuts_align_with_the_repeated_structure():
     assert _cuts([str(i) for i in range(100)], 20) == [0, 20, 40, 60, 80, 100]
     assert _cuts(what[:60], 20) == [0, 60]
     assert _cuts(what, None) == [0, len(what)]
+
+
+def test_a_sparse_embedding_in_a_late_region_matches_eager_with_inductor():
+    # The embedding's backward (a sparse gradient, which inductor cannot compile) runs in
+    # the last region, after dense layers' accumulations were reached in earlier ones.
+    torch.manual_seed(0)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append((torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 4)))
+    (emb_e, lin_e), (emb_r, lin_r) = models
+
+    def loss(emb, lin, ids):
+        y = emb(ids)
+        for _ in range(6):
+            y = lin(y).tanh()
+        return y.sum()
+
+    for step in range(2):
+        ids = torch.tensor([[1, 2, 2], [7, 1, 0]]) + step
+        for emb, lin in models:
+            emb.zero_grad(), lin.zero_grad()
+        loss(emb_e, lin_e, ids).backward()
+        replaygrad.backward(loss(emb_r, lin_r, ids), compiler="inductor")
+        (entry,) = cache._entries.values()
+        assert len(entry.replay.regions) > 3
+        assert_same(summary(emb_e.weight.grad), summary(emb_r.weight.grad), False, "emb")
+        assert_same(summary(lin_e.weight.grad), summary(lin_r.weight.grad), False, "lin")
+    assert cache.misses == 1 and cache.hits == 1
+
+
+def test_a_sparse_gradient_in_a_late_region_starts_the_call_over():
+    # gather(sparse_grad=True)'s gradient meets a dense one in the last region; inductor
+    # fails on it there, after earlier regions ran and reached an accumulation, but nothing
+    # was seen outside the graphs: the call starts over with that step run as itself.
+    def run(backward):
+        torch.manual_seed(0)
+        leaf, early = torch.rand(4, 3, requires_grad=True), torch.rand(3, requires_grad=True)
+        y = leaf.gather(0, torch.tensor([[0, 2, 1], [3, 3, 0]]), sparse_grad=True)
+        y = y.sum(0) + (leaf * 2).sum(0)
+        for _ in range(20):
+            y = y.sin()
+        backward((y + early).sum() * 3)
+        return (), (leaf.grad, early.grad)
+
+    compare(run, "inductor")
+    (entry,) = cache._entries.values()
+    assert len(entry.replay.regions) > 3 and entry.opaque

@@ -19,7 +19,7 @@ import functools
 import hashlib
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
@@ -301,13 +301,12 @@ def post_hook(fns: Iterable[Callable], outputs: tuple, inputs: list) -> tuple:
     return values
 
 
-def _live(fns: dict) -> Iterator[Callable]:
-    """The callables of a Python hook's dict as the engine calls them (``PyDict_Next`` over
-    the live dict): those an earlier hook removed are not called, those it added to this
-    dict are."""
-    for key in list(fns):
-        if key in fns:
-            yield fns[key]
+def _live(fns: dict) -> list[Callable]:
+    """The callables of a Python hook's dict as the engine calls them: read when the step
+    reaches the hook (``PyDict_Values`` in python_hook.cpp's ``_call_hooks``), so those an
+    earlier step's hook removed are not called and those it added are, while a callable
+    removed by another callable of the same dict still runs."""
+    return list(fns.values())
 
 
 def _outside(hook: Callable[..., Any]) -> Callable[..., Any]:
