@@ -4,6 +4,7 @@ regions of a few steps and compares with eager autograd."""
 
 from __future__ import annotations
 
+import functools
 from itertools import pairwise
 
 import pytest
@@ -249,17 +250,24 @@ def failing_from_the_second_region(compiles: list):
     return compiler
 
 
-def test_a_compile_failure_after_a_graph_break_is_not_handed_to_the_engine():
-    def make():
-        torch.manual_seed(0)
-        early, late = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
-        y = late
-        for _ in range(20):
-            y = y.sin()
-        # NotTraceable runs as itself (a graph break) in the first region, after early's
-        # accumulation, which it may observe: both happened when the second region fails.
-        return early, late, early.sum() * 2 + NotTraceable.apply(y).sum()
+def early_and_late(graph_break: bool):
+    """Leaves ``early`` (accumulated in the first region) and ``late`` (the last), and
+    the loss; with ``graph_break``, a node that runs as itself in the first region."""
+    torch.manual_seed(0)
+    early, late = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
+    y = late
+    for _ in range(20):
+        y = y.sin()
+    if graph_break:
+        y = NotTraceable.apply(y)
+    return early, late, early.sum() * 2 + y.sum()
 
+
+def test_a_compile_failure_after_a_graph_break_is_not_handed_to_the_engine():
+    # The graph break (seen outside the graphs) and early's accumulation are both in the
+    # first region: when the second region fails, the engine cannot run the call again,
+    # and early's accumulation is performed, as after an error.
+    make = functools.partial(early_and_late, graph_break=True)
     early, late, loss = make()
     loss.backward()
     expected = grads_of([early, late])
@@ -278,14 +286,7 @@ def test_a_compile_failure_after_a_graph_break_is_not_handed_to_the_engine():
 
 
 def test_a_compile_failure_before_anything_ran_falls_back_to_the_engine():
-    def make():
-        torch.manual_seed(0)
-        early, late = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
-        y = late
-        for _ in range(20):
-            y = y.sin()
-        return early, late, early.sum() * 2 + y.sum()
-
+    make = functools.partial(early_and_late, graph_break=False)
     early, late, loss = make()
     loss.backward()
     expected = grads_of([early, late])
