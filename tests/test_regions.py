@@ -361,3 +361,22 @@ def test_a_sparse_gradient_in_a_late_region_starts_the_call_over():
     compare(run, "inductor")
     (entry,) = cache._entries.values()
     assert len(entry.replay.regions) > 3 and entry.opaque
+
+
+@pytest.mark.parametrize(
+    ("value", "size"), [("", 300), ("none", None), (" NONE ", None), ("12", 12)]
+)
+def test_region_size_from_the_environment(monkeypatch, value, size):
+    from replaygrad._compile import _region_size_from_env
+
+    monkeypatch.setenv("REPLAYGRAD_REGION_SIZE", value)
+    assert _region_size_from_env() == size
+
+
+@pytest.mark.parametrize("value", ["0", "-4", "abc", "2.5"])
+def test_a_bad_region_size_in_the_environment_is_an_error(monkeypatch, value):
+    from replaygrad._compile import _region_size_from_env
+
+    monkeypatch.setenv("REPLAYGRAD_REGION_SIZE", value)
+    with pytest.raises(ValueError, match="REPLAYGRAD_REGION_SIZE"):
+        _region_size_from_env()
