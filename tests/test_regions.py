@@ -380,3 +380,13 @@ def test_a_bad_region_size_in_the_environment_is_an_error(monkeypatch, value):
     monkeypatch.setenv("REPLAYGRAD_REGION_SIZE", value)
     with pytest.raises(ValueError, match="REPLAYGRAD_REGION_SIZE"):
         _region_size_from_env()
+
+
+def test_plan_source_shows_the_regions_a_compiler_runs():
+    leaf, w = torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True)
+    loss = chain(leaf, w)
+    source = replaygrad.plan(loss).source
+    replaygrad.backward(loss, compiler=counting([]))
+    (entry,) = cache._entries.values()
+    assert source.count("def region(") == len(entry.replay.regions) > 3
+    assert source == entry.replay.source

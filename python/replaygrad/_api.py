@@ -137,8 +137,10 @@ class Plan:
 
     @property
     def source(self) -> str:
-        """The replay function's generated Python source."""
-        return generate_source(self._plan)
+        """The generated Python source of the replay as a compiler runs it: the driver,
+        then its regions (one unless the graph has more than ``3 * region_size`` steps,
+        see :func:`set_region_size`)."""
+        return generate_source(self._plan, region_size=cache.region_size)
 
     def explain(self) -> str:
         """A table of the steps (node, sequence_nr, inputs, saved values, mode, hooks)

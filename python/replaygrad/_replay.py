@@ -438,7 +438,8 @@ def generate_source(
 ) -> str:
     """The replay source of ``plan``: the driver, then its regions (see :func:`regions`)."""
     steps = plan.steps()
-    found = regions(plan, steps, hooks_in_graph, opaque, region_size)
+    saved = plan.saved_values() if region_size is not None else ()
+    found = regions(plan, steps, hooks_in_graph, opaque, region_size, saved)
     return _replay_source(found, _driver_source(steps, found, plan.num_captures, hooks_in_graph))
 
 
