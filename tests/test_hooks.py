@@ -175,20 +175,18 @@ def test_retain_grad_with_hooks_before_and_after(compiler):
     compare(run, compiler)
 
 
+def uncompiled_and_failing_aot_eager(reason: str) -> list:
+    """``compiler`` values: None, and "aot_eager" as a strict expected failure."""
+    return [None, pytest.param("aot_eager", marks=pytest.mark.xfail(strict=True, reason=reason))]
+
+
 @pytest.mark.parametrize(
     "compiler",
-    [
-        None,
-        pytest.param(
-            "aot_eager",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="a hook traced into the compiled graph runs before the retain_grad "
-                "values of earlier steps are applied (they are applied at the next graph "
-                "break or after the replay): it reads .grad as None",
-            ),
-        ),
-    ],
+    uncompiled_and_failing_aot_eager(
+        "a hook traced into the compiled graph runs before the retain_grad values of earlier "
+        "steps are applied (they are applied at the next graph break or after the replay): "
+        "it reads .grad as None"
+    ),
 )
 def test_hook_reads_a_retained_grad_mid_backward(compiler):
     def run(backward):
@@ -456,18 +454,11 @@ def test_hooks_added_or_removed_during_backward(change):
 
 @pytest.mark.parametrize(
     "compiler",
-    [
-        None,
-        pytest.param(
-            "aot_eager",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="hooks traced into the compiled graph get their callables as the call "
-                "was planned (a dict would make Dynamo guard on handle ids and recompile "
-                "every iteration); they are read live once hooks run outside the graph",
-            ),
-        ),
-    ],
+    uncompiled_and_failing_aot_eager(
+        "hooks traced into the compiled graph get their callables as the call was planned (a "
+        "dict would make Dynamo guard on handle ids and recompile every iteration); they are "
+        "read live once hooks run outside the graph"
+    ),
 )
 def test_hook_removed_or_added_to_an_existing_dict_by_an_earlier_hook(compiler):
     # h's tensor hook dict exists before the backward; out's hook (run first) removes one

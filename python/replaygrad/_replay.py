@@ -344,7 +344,7 @@ def hook_arguments(dicts: list[dict], in_graph: bool) -> list:
     recompile.
     """
     if in_graph:
-        return [list(d.values()) for d in dicts]
+        return [_live(d) for d in dicts]
     return [HookDict(d) for d in dicts]
 
 
@@ -380,10 +380,11 @@ class Region:
     """Steps ``start..end`` of a replay as one function, ``region(inc, saved, hooks,
     deferred) -> (exports, captured)``.
 
-    ``inc`` holds the gradients flowing in from before the region (root gradients, outputs
-    of earlier steps), ``exports`` the outputs of its steps read after it. The source names
-    steps, saved values, hooks and captures relative to the region, so that regions of
-    repeated structure have the same source and the same key.
+    ``inc`` holds the input buffers of its steps (and of later ones it feeds) as summed
+    before the region (root gradients, gradients of earlier regions), ``exports`` the
+    buffers of later steps it fed, summed so far. The source names steps, saved values,
+    hooks and captures relative to the region, so that regions of repeated structure have
+    the same source and the same key.
     """
 
     start: int
@@ -559,14 +560,18 @@ def _region_source(
     incoming: dict[tuple[int, int], int] = {}
     captures: list[int] = []
 
+    def before(step: int, slot: int) -> list[str]:
+        """Input buffer ``slot`` of ``step`` as summed before the region, if anything
+        arrived there: an element of ``inc``."""
+        if not any(p < start for p, _ in steps[step][8][slot]):
+            return []
+        return [f"inc[{incoming.setdefault((step, slot), len(incoming))}]"]
+
     def buffer(step: int, slot: int) -> str:
         """Input buffer ``slot`` of ``step`` in the region: what arrived before it, then
         the gradients of the region's steps."""
-        sources = steps[step][8][slot]
-        terms = [f"o{p - start}[{i}]" for p, i in sources if p >= start]
-        if any(p < start for p, _ in sources):
-            terms.insert(0, f"inc[{incoming.setdefault((step, slot), len(incoming))}]")
-        return _sum(terms)
+        local = [f"o{p - start}[{i}]" for p, i in steps[step][8][slot] if p >= start]
+        return _sum(before(step, slot) + local)
 
     # Buffers of later steps that this region feeds, summed as their gradients arrive;
     # every step's outputs die after their last reader here.
@@ -658,8 +663,7 @@ def _region_source(
             else:
                 partial[target] = f"e{len(exports)}"
                 exports.append(target)
-                if any(p < start for p, _ in steps[target[0]][8][target[1]]):
-                    terms.insert(0, f"inc[{incoming.setdefault(target, len(incoming))}]")
+                terms[:0] = before(*target)
             body.append(f"{partial[target]} = {_sum(terms)}")
         # Drop gradients once their last reader ran, as the engine's buffers do.
         dead = [f"o{p - start}" for p in dying.get(s, ())]
