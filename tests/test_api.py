@@ -63,6 +63,28 @@ def test_compile_options_reach_torch_compile(monkeypatch):
     torch.testing.assert_close(w.grad, w.exp() * w + w.exp())
 
 
+def test_inductor_options_dict_is_a_cache_key(monkeypatch):
+    """``options=`` of torch.compile is a dict: configs with equal dicts share entries."""
+    seen = []
+    real_compile = torch.compile
+
+    def spy(fn, **kwargs):
+        seen.append(kwargs)
+        return real_compile(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", spy)
+    w = torch.randn(3, requires_grad=True)
+    for _ in range(2):
+        with replaygrad.enable("inductor", options={"size_asserts": False}):
+            loss_of(w).backward()
+    assert seen == [{"backend": "inductor", "options": {"size_asserts": False}}]
+    assert replaygrad.cache_info()[:2] == (1, 1)
+    with replaygrad.enable("inductor", options={"size_asserts": True}):
+        loss_of(w).backward()
+    assert len(seen) == 2 and replaygrad.cache_info().misses == 2
+    torch.testing.assert_close(w.grad, 3 * (w.exp() * w + w.exp()))
+
+
 def test_bad_compile_options():
     with pytest.raises(TypeError, match="need a backend name"):
         with replaygrad.enable(compiler=None, mode="max-autotune"):

@@ -28,14 +28,17 @@ class Config:
     to ``torch.compile`` (``mode``, ``dynamic``, ``fullgraph``, ``options``, ...)."""
 
     compiler: Compiler
+    #: The options in a hashable form (the cache key); see :attr:`kwargs` for the values.
     options: tuple[tuple[str, Any], ...] = ()
     #: "eager": when compiling a replay fails, the engine runs the call (and later ones with
     #: the same plan) instead of raising.
     fallback: str | None = None
+    #: The options as given, for ``torch.compile``.
+    kwargs: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def fullgraph(self) -> bool:
-        return bool(dict(self.options).get("fullgraph", False))
+        return bool(self.kwargs.get("fullgraph", False))
 
     @staticmethod
     def make(compiler: Compiler, options: dict[str, Any], fallback: str | None = None) -> Config:
@@ -50,7 +53,24 @@ class Config:
         bad = set(options) & {"backend", "model"}
         if bad:
             raise TypeError(f"compile options may not set {', '.join(sorted(bad))}")
-        return Config(compiler, tuple(sorted(options.items(), key=lambda kv: kv[0])), fallback)
+        return Config(compiler, _frozen(options), fallback, dict(options))
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` as a hashable key: dicts, lists and sets by their contents (``options=``
+    of ``torch.compile`` is a dict), other unhashable values by identity (the config keeps
+    them alive, so the identity is not reused while the key exists)."""
+    if isinstance(value, dict):
+        return tuple(sorted(((k, _frozen(v)) for k, v in value.items()), key=repr))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_frozen(v) for v in value))
+    if isinstance(value, (set, frozenset)):
+        return frozenset(_frozen(v) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    return value
 
 
 def check_compiler(compiler: Compiler) -> None:
@@ -74,7 +94,7 @@ def _compile(fn: Callable[..., Any], config: Config) -> Callable[..., Any]:
     if compiler is None:
         return fn
     if isinstance(compiler, str):
-        return torch.compile(fn, backend=compiler, **dict(config.options))
+        return torch.compile(fn, backend=compiler, **config.kwargs)
     compiled = compiler(fn)
     if not callable(compiled):
         raise TypeError(
