@@ -348,7 +348,18 @@ impl PyPlan {
                 inputs.len()
             )));
         }
-        let grad = to_tensor(&inputs.get_item(0)?, "gradient")?;
+        let item = inputs.get_item(0)?;
+        // AccumulateGrad steals a gradient whose C++ use count shows no other holder; the
+        // engine keeps one reference more for a node with post hooks (which here is the
+        // Python object in `inputs`). Python holders of that object (a hook that kept it,
+        // a tensor a hook returned) do not show in the C++ count: with references beyond
+        // the list's and `item`'s (counted before a C++ handle makes torch take one too),
+        // one more C++ reference is held for the call so that the gradient is copied, as
+        // the engine would.
+        let shared = !take && item.get_refcnt() > 2;
+        let grad = to_tensor(&item, "gradient")?;
+        let _held = grad.as_ref().filter(|_| shared).map(|t| t.shallow_clone());
+        drop(item);
         if take {
             inputs.del_item(0)?;
         }

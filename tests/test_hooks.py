@@ -374,6 +374,54 @@ def test_hook_keeps_the_gradient_it_was_given(compiler):
 
 
 @pytest.mark.parametrize("compiler", FAST_COMPILERS)
+@pytest.mark.parametrize("holder", ["tensor hook keeps it", "pre-hook keeps it", "hook returns it"])
+def test_gradient_held_by_python_with_an_accumulate_grad_post_hook(compiler, holder):
+    # With a post hook on AccumulateGrad, the engine expects one C++ reference more before
+    # it steals a gradient; a gradient also held from Python (a kept hook argument, a tensor
+    # a hook returned) must still be copied, not shared with .grad. Without such a holder
+    # it is stolen, as in the engine.
+    def run(backward):
+        torch.manual_seed(0)
+        kept = []
+        stolen = []
+        w = torch.randn(3, requires_grad=True)
+        own = torch.ones(3)
+        out = w * 2
+        acc = out.grad_fn.next_functions[0][0]
+        if holder == "tensor hook keeps it":
+            w.register_hook(lambda g: kept.append(g))
+        elif holder == "pre-hook keeps it":
+            acc.register_prehook(lambda gi: kept.append(gi[0]))
+        else:
+            w.register_hook(lambda g: own)
+        acc.register_hook(lambda gi, go: stolen.append(go[0].data_ptr()))
+        backward(out.sum())
+        first_stolen = stolen[0] == w.grad.data_ptr()
+        own.add_(1)
+        backward((w * 3).sum())  # accumulates into w.grad in place
+        return [("kept", summary(kept)), ("stolen", first_stolen)], grads_of([w])
+
+    compare(run, compiler)
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_gradient_stolen_with_an_accumulate_grad_post_hook(compiler):
+    def run(backward):
+        stolen = []
+        w = torch.ones(3, requires_grad=True)
+        out = w * 2
+        out.grad_fn.next_functions[0][0].register_hook(
+            lambda gi, go: stolen.append(go[0].data_ptr())
+        )
+        w.register_hook(lambda g: g * 1)
+        backward(out.sum())
+        return [("stolen", stolen[0] == w.grad.data_ptr())], grads_of([w])
+
+    compare(run, compiler)
+    assert run(eager_backward)[0] == [("stolen", True)]
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
 def test_hook_mutates_the_gradient_in_place(compiler):
     # AddBackward0 hands the same tensor to both of its inputs: a hook on one branch that
     # changes it in place (and returns None) changes the other branch's gradient too.
