@@ -356,7 +356,8 @@ impl PyPlan {
         // the list's and `item`'s (counted before a C++ handle makes torch take one too),
         // one more C++ reference is held for the call so that the gradient is copied, as
         // the engine would.
-        let shared = !take && item.get_refcnt() > 2;
+        // SAFETY: `item` is a live object (a reference we hold).
+        let shared = !take && unsafe { pyo3::ffi::Py_REFCNT(item.as_ptr()) } > 2;
         let grad = to_tensor(&item, "gradient")?;
         let _held = grad.as_ref().filter(|_| shared).map(|t| t.shallow_clone());
         drop(item);
