@@ -92,6 +92,8 @@ def test_bad_compile_options():
     with pytest.raises(TypeError, match="may not set backend"):
         with replaygrad.enable("eager", backend="inductor"):
             pass
+    with pytest.raises(TypeError, match="unknown compile option.*retain_grpah"):
+        replaygrad.backward(torch.ones(1, requires_grad=True).sum(), retain_grpah=True)
     with pytest.raises(ValueError, match="unknown compiler 'nope'"):
         with replaygrad.enable("nope"):
             pass
@@ -177,3 +179,10 @@ def test_cache_info_reset_and_size():
             replaygrad.set_cache_size(0)
     finally:
         replaygrad.set_cache_size(256)
+
+
+def test_grad_is_grads_batched():
+    w = torch.randn(3, requires_grad=True)
+    expected = torch.autograd.grad(w * w, w, torch.eye(3), is_grads_batched=True)
+    got = replaygrad.grad(w * w, w, torch.eye(3), is_grads_batched=True, compiler=None)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -67,6 +67,7 @@ def grad(
     retain_graph: bool | None = None,
     create_graph: bool = False,
     allow_unused: bool | None = None,
+    is_grads_batched: bool = False,
     materialize_grads: bool = False,
     compiler: Compiler = "inductor",
     fallback: str | None = None,
@@ -83,6 +84,7 @@ def grad(
             retain_graph=retain_graph,
             create_graph=create_graph,
             allow_unused=allow_unused,
+            is_grads_batched=is_grads_batched,
             materialize_grads=materialize_grads,
         )
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import threading
 import weakref
@@ -53,6 +55,12 @@ class Config:
         bad = set(options) & {"backend", "model"}
         if bad:
             raise TypeError(f"compile options may not set {', '.join(sorted(bad))}")
+        unknown = set(options) - _torch_compile_options()
+        if unknown:
+            raise TypeError(
+                f"unknown compile option(s) {', '.join(sorted(unknown))}: torch.compile takes "
+                f"{', '.join(sorted(_torch_compile_options()))}"
+            )
         return Config(compiler, _frozen(options), fallback, dict(options))
 
 
@@ -71,6 +79,13 @@ def _frozen(value: Any) -> Any:
     except TypeError:
         return ("id", id(value))
     return value
+
+
+@functools.cache
+def _torch_compile_options() -> frozenset[str]:
+    """The keyword options of ``torch.compile`` (beyond ``model`` and ``backend``)."""
+    parameters = inspect.signature(torch.compile).parameters
+    return frozenset(parameters) - {"model", "backend"}
 
 
 def check_compiler(compiler: Compiler) -> None:
