@@ -92,7 +92,7 @@ def test_bad_compile_options():
     with pytest.raises(TypeError, match="may not set backend"):
         with replaygrad.enable("eager", backend="inductor"):
             pass
-    with pytest.raises(TypeError, match="unknown compile option.*retain_grpah"):
+    with pytest.raises(TypeError, match=r"unknown compile option.*retain_grpah"):
         replaygrad.backward(torch.ones(1, requires_grad=True).sum(), retain_grpah=True)
     with pytest.raises(ValueError, match="unknown compiler 'nope'"):
         with replaygrad.enable("nope"):
