@@ -11,7 +11,7 @@ import torch
 
 import replaygrad
 
-from conftest import FAST_COMPILERS
+from conftest import COMPILERS, FAST_COMPILERS
 
 
 class Boom(Exception):
@@ -115,3 +115,62 @@ def test_bad_fallback_value():
     with pytest.raises(ValueError, match="fallback must be"):
         with replaygrad.enable(compiler=None, fallback="retry"):
             pass
+
+
+class RaisesInBackward(torch.autograd.Function):
+    is_traceable = True  # traced into the compiled replay
+
+    @staticmethod
+    def forward(ctx, a):
+        return a * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        raise IndexError("bad index in backward")
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_traced_function_raising_keeps_what_ran_before(compiler):
+    # The backward raises while the compiler traces it: the call starts over with that
+    # node run as itself, so what the engine does before it (a hook, retain_grad, another
+    # leaf's accumulation) happens before the error, as in eager.
+    def run(backward):
+        log = []
+        a = torch.ones(3, requires_grad=True)
+        b = torch.ones(3, requires_grad=True)
+        y = RaisesInBackward.apply(a) + (a * 3) * b
+        y.retain_grad()
+        y.register_hook(lambda g: log.append(g.clone()))
+        with pytest.raises(IndexError, match="bad index in backward") as raised:
+            backward(y.sum())
+        return log, y.grad, a.grad, b.grad, str(raised.value)
+
+    expected = run(torch.autograd.backward)
+    got = run(lambda loss: replaygrad.backward(loss, compiler=compiler))
+    torch.testing.assert_close(got[:4], expected[:4], rtol=0, atol=0)
+    assert got[4] == expected[4]
+
+
+class NumpyInBackward(torch.autograd.Function):
+    is_traceable = True  # but .numpy() cannot run on the fake tensors of tracing
+
+    @staticmethod
+    def forward(ctx, a):
+        return a * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.from_numpy(g.numpy() * 2)
+
+
+def test_traced_function_that_cannot_be_traced_runs_as_itself():
+    a = torch.ones(3, requires_grad=True)
+    for _ in range(3):
+        loss = (NumpyInBackward.apply(a) * a).sum()
+        replaygrad.backward(loss, compiler="aot_eager")
+    expected = torch.ones(3, requires_grad=True)
+    for _ in range(3):
+        (NumpyInBackward.apply(expected) * expected).sum().backward()
+    torch.testing.assert_close(a.grad, expected.grad, rtol=0, atol=0)
+    info = replaygrad.cache_info()
+    assert (info.misses, info.hits) == (1, 2), "the step runs as itself from then on"

@@ -221,12 +221,12 @@ class ReplayCache:
     def run_as_themselves(
         self, entry: Entry, plan: _core.Plan, config: Config, steps: set[int]
     ) -> None:
-        """Rebuilds ``entry`` with ``steps`` (traced ones that met sparse or other
-        non-strided tensors while the compiler failed) run as themselves, between compiled
-        regions."""
+        """Rebuilds ``entry`` with ``steps`` (traced ones the compiler failed on: they met
+        sparse or other non-strided tensors, or raised on the values being traced) run as
+        themselves, between compiled regions."""
         recompiles_log.info(
-            "compiling replay %s failed on steps with non-strided (e.g. sparse) tensors; "
-            "running steps %s as themselves",
+            "compiling replay %s failed on steps with non-strided (e.g. sparse) tensors or "
+            "that raised while traced; running steps %s as themselves",
             plan.key,
             sorted(steps),
         )

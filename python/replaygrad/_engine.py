@@ -24,7 +24,7 @@ from . import _core
 from ._compile import Config, Entry, cache
 from ._explain import table
 from ._logging import Lazy, log, plan_log
-from ._replay import hook_arguments, node_error, non_strided_steps, running
+from ._replay import hook_arguments, node_error, non_strided_steps, running, traced_step
 
 _tls = threading.local()
 _install_lock = threading.Lock()
@@ -187,24 +187,29 @@ def _compile_failure(error: BaseException) -> bool:
 
 
 def _call(entry: Entry, plan: _core.Plan, config: Config, args: tuple, run: running) -> list:
-    """Calls the entry's replay with ``args``. Where the compiler fails on steps that met
-    sparse (or other non-strided) tensors only present at run time (e.g. the gradient of
-    ``gather(..., sparse_grad=True)``) while the call can still start over, those steps are
-    made to run as themselves and the call is made again."""
+    """Calls the entry's replay with ``args``. While the call can still start over, steps
+    that keep the compiler from compiling it are made to run as themselves and the call is
+    made again: steps that met sparse (or other non-strided) tensors only present at run
+    time (e.g. the gradient of ``gather(..., sparse_grad=True)``), and a step whose node
+    raised while being traced (see :func:`traced_step`)."""
     while True:
         try:
             with run, torch.no_grad(), non_strided_steps() as non_strided:
                 return entry.replay.fn(*args)
         except Exception as error:
-            if (
-                not _compile_failure(error)
-                or not run.restartable
-                or node_error(error) is not None
-                or not non_strided - entry.opaque
-            ):
+            if not run.restartable:
+                raise
+            step = traced_step(error)
+            if step is not None and step not in entry.opaque:
+                steps = {step}
+            elif _compile_failure(error) and node_error(error) is None:
+                steps = non_strided - entry.opaque
+            else:
+                steps = set()
+            if not steps:
                 raise
         run.pending.clear()
-        cache.run_as_themselves(entry, plan, config, non_strided)
+        cache.run_as_themselves(entry, plan, config, steps)
 
 
 def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...] | None:

@@ -110,6 +110,9 @@ def apply_traced(step: int, inputs: list, saved: list) -> tuple:
     except Exception as error:
         if not isinstance(error, _TRACING_LIMITS):
             error.__replaygrad_node_error__ = True  # type: ignore[attr-defined]
+            if torch._guards.TracingContext.try_get() is not None:
+                # Raised on the values being traced, before anything ran: see traced_step.
+                error.__replaygrad_traced_step__ = _step(step)  # type: ignore[attr-defined]
         raise
     first = next((o for o in outputs if o is not None), None)
     if isinstance(first, FakeTensor):
@@ -172,6 +175,16 @@ def node_error(error: BaseException) -> BaseException | None:
         seen.add(id(cause))
         cause = cause.__cause__ or cause.__context__
     return None
+
+
+def traced_step(error: BaseException) -> int | None:
+    """The step whose node raised ``error`` while a compiler traced it (on fake tensors),
+    if it did. Such an error may be a limit of tracing (e.g. ``.numpy()`` in a custom
+    Function's backward) or the backward's own; either way nothing of the call ran yet
+    where it was raised, so the call can start over with that step run as itself, which
+    raises where the engine would (after the steps before it) or succeeds."""
+    raised = node_error(error)
+    return getattr(raised, "__replaygrad_traced_step__", None) if raised is not None else None
 
 
 def _flush(deferred: list) -> None:
