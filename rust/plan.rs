@@ -193,10 +193,11 @@ impl Plan {
         Ok(())
     }
 
-    /// Frees the saved variables of every node that ran, as the engine does without
-    /// retain_graph (a step popped only to capture keeps them).
-    pub fn release_variables(&self) -> Result<(), ShimError> {
-        for (&n, &needed) in self.schedule.steps.iter().zip(&self.schedule.needed) {
+    /// Frees the saved variables of the nodes of the steps before `before` that ran, as
+    /// the engine does without retain_graph (a step popped only to capture keeps them).
+    pub fn release_variables(&self, before: usize) -> Result<(), ShimError> {
+        let steps = self.schedule.steps.iter().zip(&self.schedule.needed);
+        for (&n, &needed) in steps.take(before) {
             if needed {
                 self.snapshot.handles[n as usize].release_variables()?;
             }

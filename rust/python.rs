@@ -412,9 +412,11 @@ impl PyPlan {
         Ok(())
     }
 
-    /// Frees the saved variables of every executed node (backward without retain_graph).
-    fn release_variables(&self) -> PyResult<()> {
-        Ok(self.plan.release_variables()?)
+    /// Frees the saved variables of every executed node (backward without retain_graph),
+    /// or of those before step `before` (the ones that ran before an error).
+    #[pyo3(signature = (before=None))]
+    fn release_variables(&self, before: Option<usize>) -> PyResult<()> {
+        Ok(self.plan.release_variables(before.unwrap_or(usize::MAX))?)
     }
 }
 

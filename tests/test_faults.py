@@ -174,3 +174,31 @@ def test_traced_function_that_cannot_be_traced_runs_as_itself():
     torch.testing.assert_close(a.grad, expected.grad, rtol=0, atol=0)
     info = replaygrad.cache_info()
     assert (info.misses, info.hits) == (1, 2), "the step runs as itself from then on"
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+@pytest.mark.parametrize("where", ["intermediate", "leaf"])
+def test_nodes_before_an_error_release_their_saved_values(compiler, where):
+    # Without retain_graph the engine releases each node's saved values once it ran; after
+    # an error, those of the nodes before it are gone (a second backward through them
+    # raises) and the others are intact.
+    def run(backward):
+        x = torch.ones(3, requires_grad=True)
+        w = torch.ones(3, requires_grad=True)
+        h = (x.exp() * w).sin()
+        target = h if where == "intermediate" else w
+
+        def hook(g):
+            raise Boom("hook failed")
+
+        target.register_hook(hook)
+        with pytest.raises(Boom):
+            backward(h.sum())
+        try:
+            torch.autograd.backward(h.sum())  # the engine, hook raising again or not
+        except (RuntimeError, Boom) as error:
+            return type(error).__name__, str(error).split(".")[0]
+        return "ok", ""
+
+    expected = run(torch.autograd.backward)
+    assert run(lambda loss: replaygrad.backward(loss, compiler=compiler)) == expected

@@ -231,9 +231,12 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
         if raised is not None or not _compile_failure(error):
             if entry.calls == 0:
                 cache.discard(config, plan.key)  # no entry that never completed a call
-            # The engine has run the accumulations and retain_grads before the failing step.
+            # The engine has run the accumulations and retain_grads before the failing step,
+            # and released the saved variables of the nodes before it.
             del saved
             plan.run_deferred(deferred, complete=False)
+            if not plan.keep_graph:
+                plan.release_variables(run.reached)
             if raised is not None and raised is not error:
                 raise raised.with_traceback(raised.__traceback__) from None
             raise

@@ -52,11 +52,15 @@ class running:
         #: Nothing of this call has been seen outside the compiled graphs yet (no effect
         #: applied, no hook or graph break run), so a failed compile can start it over.
         self.restartable = True
+        #: The latest step seen running (outside compiled code, or a region's start): the
+        #: steps before it ran, and the engine would have released their saved variables.
+        self.reached = 0
 
     def __enter__(self) -> running:
         self.prior = getattr(_tls, "run", None)
         self.base = 0
         self.restartable = True
+        self.reached = 0
         _tls.run = self
         return self
 
@@ -79,7 +83,10 @@ def current_plan() -> _core.Plan:
 
 
 def _step(k: int) -> int:
-    return _running().base + k
+    """Step ``k`` of the running region as a step of the plan, noted as reached."""
+    run = _running()
+    run.reached = run.base + k
+    return run.reached
 
 
 def at(base: int, hooks_ran: bool = False) -> list:
@@ -90,7 +97,7 @@ def at(base: int, hooks_ran: bool = False) -> list:
     if hooks_ran:
         run.restartable = False
     run.pending.extend(run.local)
-    run.base = base
+    run.base = run.reached = base
     run.local = []
     return run.local
 
@@ -105,14 +112,18 @@ def apply_traced(step: int, inputs: list, saved: list) -> tuple:
     In the graph, Dynamo does not look inside (so no guard on the node); AOTAutograd and
     the eager backend call it with the values being traced or run.
     """
+    tracing = torch._guards.TracingContext.try_get() is not None
+    run = _running()
+    # Only a step run for real is reached (tracing runs a region's steps before any runs).
+    plan_step = run.base + step if tracing else _step(step)
     try:
-        outputs = current_plan().apply(_step(step), inputs, saved)
+        outputs = run.plan.apply(plan_step, inputs, saved)
     except Exception as error:
         if not isinstance(error, _TRACING_LIMITS):
             error.__replaygrad_node_error__ = True  # type: ignore[attr-defined]
-            if torch._guards.TracingContext.try_get() is not None:
+            if tracing:
                 # Raised on the values being traced, before anything ran: see traced_step.
-                error.__replaygrad_traced_step__ = _step(step)  # type: ignore[attr-defined]
+                error.__replaygrad_traced_step__ = plan_step  # type: ignore[attr-defined]
         raise
     first = next((o for o in outputs if o is not None), None)
     if isinstance(first, FakeTensor):
@@ -131,7 +142,7 @@ def _note_layouts(step: int, *groups: Sequence[Any]) -> None:
             if isinstance(t, torch.Tensor) and t.layout is not torch.strided:
                 noted = getattr(_tls, "non_strided", None)
                 if noted is not None:
-                    noted.add(_step(step))
+                    noted.add(_running().base + step)
                 return
 
 
@@ -329,8 +340,9 @@ def _outside(hook: Callable[..., Any]) -> Callable[..., Any]:
 
     @torch._dynamo.disable
     @functools.wraps(hook)
-    def call(deferred: list, fns: HookDict, *args: Any) -> Any:
+    def call(deferred: list, step: int, fns: HookDict, *args: Any) -> Any:
         _flush(deferred)
+        _step(step)
         return hook(_live(fns.dict), *args)
 
     return call
@@ -569,7 +581,7 @@ def _region_source(
     breaks under Dynamo), after the deferred effects before them, as everything else that
     runs outside the graph does. Traced steps in ``opaque`` run as opaque ones.
     """
-    where, arg = ("", "") if hooks_in_graph else ("_outside", "deferred, ")
+    where = "" if hooks_in_graph else "_outside"
     incoming: dict[tuple[int, int], int] = {}
     captures: list[int] = []
 
@@ -613,6 +625,7 @@ def _region_source(
     for s in range(start, end):
         name, _kind, mode, _seq, _inputs, _outputs, a, b, slots, _targets, hooks, caps = steps[s]
         k = s - start
+        arg = "" if hooks_in_graph else f"deferred, {k}, "
         body.append(f"# step {k}: {name} ({mode})")
         body.append(f"i = [{', '.join(buffer(s, slot) for slot in range(len(slots)))}]")
         capture_lines = []
