@@ -2,9 +2,9 @@
 
 Compilers trace dense tensors: inductor cannot compile sparse ones, and a node run on fake
 tensors returns a strided gradient where an mkldnn one is due. A node whose gradients the
-graph's metadata declares non-strided runs as itself; one that produces a sparse gradient
-only at run time (``sparse_grad=True``, ``Embedding(sparse=True)``) is found while Dynamo
-traces it, and run as itself when the compiler fails on it.
+graph's metadata declares non-strided runs as itself, and so does one whose saved flags make
+its gradients sparse (``sparse_grad=True``, ``Embedding(sparse=True)``); any other found
+with sparse values while Dynamo traces it runs as itself when the compiler fails on it.
 """
 
 from __future__ import annotations
@@ -76,6 +76,20 @@ def test_sparse_embedding_training_steps(compiler):
             backward((model(ids).sin() * 3).sum())
         assert_same(summary(eager.weight.grad), summary(rg.weight.grad), compiler is None, "grad")
     assert replaygrad.cache_info().size == 1
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_sparse_embedding_used_twice(compiler):
+    # Traced, embedding's backward gives a dense fake tensor; its sparse gradients summed
+    # in a compiled graph came out wrong (every term the first one), without an error.
+    def run(backward):
+        w = torch.zeros(4, 2, requires_grad=True)
+        ids = torch.tensor([1, 3])
+        embedded = [torch.nn.functional.embedding(ids, w, sparse=True) for _ in range(3)]
+        backward(sum((e * k).sum() for e, k in zip(embedded, (2.0, 3.0, 5.0))))
+        return (), (w.grad.to_dense(), w.grad._indices())
+
+    compare(run, compiler)
 
 
 @pytest.mark.parametrize("compiler", COMPILERS)

@@ -389,8 +389,9 @@ def buffer_sum(*grads: Any) -> Any:
             continue
         if total is None:
             total = g
-        elif total.is_sparse and not g.is_sparse:
-            # accumulate(): a dense gradient absorbs a sparse one, not the other way round.
+        elif total.is_sparse or total.is_sparse_csr:
+            # accumulate(): onto a sparse sum, the new gradient comes first (a dense one
+            # absorbs it; of two sparse ones, the new one's entries lead).
             total = g + total
         else:
             total = total + g
@@ -475,6 +476,26 @@ def _replay_source(found: Sequence[Region], driver: str) -> str:
     )
 
 
+def sparse_gradient_steps(plan: _core.Plan, steps: list) -> frozenset[int]:
+    """Traced steps whose node makes sparse gradients (``embedding(..., sparse=True)``,
+    ``gather(..., sparse_grad=True)``): they run as themselves. Traced, the fake tensors do
+    not always say so (embedding's backward traces to a dense tensor), and a compiler given
+    sparse values where it traced dense ones computes wrong gradients without an error."""
+    candidates = [s for s, step in enumerate(steps) if step[2] == "traced"]
+    if not candidates:
+        return frozenset()
+    nodes = plan.nodes()
+    return frozenset(
+        s
+        for s in candidates
+        if any(getattr(nodes[s], name, False) is True for name in _SPARSE_FLAGS)
+    )
+
+
+#: The saved flags of torch's generated nodes that make their gradients sparse.
+_SPARSE_FLAGS = ("_saved_sparse", "_saved_sparse_grad")
+
+
 def regions(
     plan: _core.Plan,
     steps: list,
@@ -491,6 +512,7 @@ def regions(
     has ``region_size`` steps, so that in a graph of repeated structure the regions repeat
     too. ``saved`` (the plan's saved values, when known) adds their metadata to the keys.
     """
+    opaque = opaque | sparse_gradient_steps(plan, steps)
     digests = plan.step_digests()
     # Per step: what the node is, whatever step it is (type, input metadata, specialisation).
     what = [(step[0], step[1], digests[24 * s + 8 : 24 * s + 24]) for s, step in enumerate(steps)]
