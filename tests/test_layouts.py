@@ -122,3 +122,23 @@ def test_mkldnn_leaf_gradient(compiler):
     got = run(functools.partial(replaygrad.grad, compiler=compiler))
     assert_replayed(before)
     assert_same(expected, got, exact=compiler is None, where="grads")
+
+
+def test_tensor_subclass_values_run_uncompiled():
+    # Dynamo cannot fake a LoggingTensor: compiled, every step was a graph break and a frame
+    # of its own to compile (minutes for PyTorch's autograd.functional tests). Such calls run
+    # the replay uncompiled, exactly as eager.
+    from torch.testing._internal.logging_tensor import LoggingTensor
+
+    def f(x):
+        return (x.exp() * x).sin().sum()
+
+    x = LoggingTensor(torch.randn(3)).requires_grad_()
+    (expected,) = torch.autograd.grad(f(x), x)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for _ in range(2):
+        (got,) = replaygrad.grad(f(x), x, compiler="aot_eager")
+        assert type(got) is LoggingTensor
+        torch.testing.assert_close(got.elem, expected.elem, rtol=0, atol=0)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert replaygrad.cache_info()[:2] == (1, 1)
