@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import inspect
 import os
 import threading
@@ -55,11 +54,11 @@ class Config:
         bad = set(options) & {"backend", "model"}
         if bad:
             raise TypeError(f"compile options may not set {', '.join(sorted(bad))}")
-        unknown = set(options) - _torch_compile_options()
+        unknown = set(options) - _TORCH_COMPILE_OPTIONS
         if unknown:
             raise TypeError(
                 f"unknown compile option(s) {', '.join(sorted(unknown))}: torch.compile takes "
-                f"{', '.join(sorted(_torch_compile_options()))}"
+                f"{', '.join(sorted(_TORCH_COMPILE_OPTIONS))}"
             )
         return Config(compiler, _frozen(options), fallback, dict(options))
 
@@ -81,11 +80,11 @@ def _frozen(value: Any) -> Any:
     return value
 
 
-@functools.cache
-def _torch_compile_options() -> frozenset[str]:
-    """The keyword options of ``torch.compile`` (beyond ``model`` and ``backend``)."""
-    parameters = inspect.signature(torch.compile).parameters
-    return frozenset(parameters) - {"model", "backend"}
+#: The keyword options of ``torch.compile`` (beyond ``model`` and ``backend``).
+_TORCH_COMPILE_OPTIONS = frozenset(inspect.signature(torch.compile).parameters) - {
+    "model",
+    "backend",
+}
 
 
 def check_compiler(compiler: Compiler) -> None:
