@@ -47,32 +47,31 @@ def test_enable_restores_state_when_the_block_raises():
     assert replaygrad.cache_info().misses == 0
 
 
-def test_compile_options_reach_torch_compile(monkeypatch):
-    seen = {}
+@pytest.fixture
+def compile_calls(monkeypatch) -> list[dict]:
+    """The keyword arguments of every ``torch.compile`` call (which still compiles)."""
+    calls: list[dict] = []
     real_compile = torch.compile
 
     def spy(fn, **kwargs):
-        seen.update(kwargs)
+        calls.append(kwargs)
         return real_compile(fn, **kwargs)
 
     monkeypatch.setattr(torch, "compile", spy)
+    return calls
+
+
+def test_compile_options_reach_torch_compile(compile_calls):
     w = torch.randn(3, requires_grad=True)
     with replaygrad.enable("aot_eager", dynamic=False, fullgraph=True):
         loss_of(w).backward()
-    assert seen == {"backend": "aot_eager", "dynamic": False, "fullgraph": True}
+    assert compile_calls == [{"backend": "aot_eager", "dynamic": False, "fullgraph": True}]
     torch.testing.assert_close(w.grad, w.exp() * w + w.exp())
 
 
-def test_inductor_options_dict_is_a_cache_key(monkeypatch):
+def test_inductor_options_dict_is_a_cache_key(compile_calls):
     """``options=`` of torch.compile is a dict: configs with equal dicts share entries."""
-    seen = []
-    real_compile = torch.compile
-
-    def spy(fn, **kwargs):
-        seen.append(kwargs)
-        return real_compile(fn, **kwargs)
-
-    monkeypatch.setattr(torch, "compile", spy)
+    seen = compile_calls
     w = torch.randn(3, requires_grad=True)
     for _ in range(2):
         with replaygrad.enable("inductor", options={"size_asserts": False}):
