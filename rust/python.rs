@@ -1,7 +1,7 @@
 //! The `replaygrad._core` module: converts between Python and the core, and calls it.
 //! No planning logic lives here.
 
-use std::cell::Cell;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use pyo3::exceptions::{PyRuntimeError, PyTypeError};
 use pyo3::prelude::*;
@@ -83,14 +83,24 @@ fn hook_kind_name(kind: HookKind) -> &'static str {
 }
 
 /// The plan of one backward call (see `replaygrad._core.pyi`).
-#[pyclass(name = "Plan", module = "replaygrad._core", unsendable)]
+#[pyclass(name = "Plan", module = "replaygrad._core")]
 pub struct PyPlan {
     plan: Plan,
     /// The engine's call this plan was made for (root gradients, flags), if any.
     call: Option<CallData>,
     /// Deferred effects performed so far (run_deferred goes on from there).
-    effects_done: Cell<usize>,
+    effects_done: AtomicUsize,
 }
+
+// SAFETY: a plan is only used through its Python methods, which all run with the GIL held
+// (none releases it), so never from two threads at once. What it owns (node references,
+// tensors, the addresses of its nodes' SavedVariables) may be used and dropped on any
+// thread: torch's reference counts are atomic. Dropping must be allowed anywhere: a replay
+// that raised leaves its plan in a reference cycle (through the traceback and Dynamo's
+// state), which the garbage collector may free on another thread; an unsendable class
+// would be leaked there, with the saved tensors it holds.
+unsafe impl Send for PyPlan {}
+unsafe impl Sync for PyPlan {}
 
 struct CallData {
     root_grads: Vec<Option<Tensor>>,
@@ -393,7 +403,7 @@ impl PyPlan {
     #[pyo3(signature = (values, complete=true))]
     fn run_deferred(&self, values: &Bound<'_, PyList>, complete: bool) -> PyResult<()> {
         let expected = self.plan.deferred().len();
-        let start = self.effects_done.get();
+        let start = self.effects_done.load(Ordering::Relaxed);
         let end = start + values.len();
         if end > expected || (complete && end != expected) {
             return Err(PyRuntimeError::new_err(format!(
@@ -405,7 +415,7 @@ impl PyPlan {
             .map(|v| to_tensor(&v, "gradient"))
             .collect::<PyResult<_>>()?;
         values.del_slice(0, values.len())?;
-        self.effects_done.set(end);
+        self.effects_done.store(end, Ordering::Relaxed);
         let mut taken = taken.into_iter();
         self.plan
             .run_deferred(start..end, &mut |_| Ok(taken.next().flatten()))?;
@@ -488,7 +498,7 @@ fn plan(
     Ok(PyPlan {
         plan: Plan::build_for(&edges, outputs.as_deref(), accumulate_grad)?,
         call: None,
-        effects_done: Cell::new(0),
+        effects_done: AtomicUsize::new(0),
     })
 }
 
@@ -509,7 +519,7 @@ fn plan_engine_call(call: &Bound<'_, PyAny>) -> PyResult<Option<PyPlan>> {
             accumulate_grad: call.accumulate_grad,
             keep_graph: call.keep_graph,
         }),
-        effects_done: Cell::new(0),
+        effects_done: AtomicUsize::new(0),
     }))
 }
 

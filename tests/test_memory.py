@@ -4,6 +4,8 @@ and a training loop's memory stays flat."""
 from __future__ import annotations
 
 import gc
+import sys
+import threading
 import warnings
 import weakref
 
@@ -57,3 +59,35 @@ def test_training_loop_memory_is_flat(compiler):
     assert after <= before, f"live tensors grew from {before} to {after}"
     info = replaygrad.cache_info()
     assert info.size == 1 and info.hits == 54
+
+
+@pytest.mark.parametrize("compiler", [None, "aot_eager"])
+def test_a_failed_call_on_another_thread_frees_its_saved_values(compiler):
+    # A replay that raised leaves its plan in a reference cycle (traceback, Dynamo's
+    # state): collected on another thread, an unsendable plan was leaked, with the saved
+    # tensors it holds, and PyO3 reported an error.
+    refs = []
+    unraisable = []
+
+    def work():
+        w = torch.randn(4, 4, requires_grad=True)
+        big = torch.randn(64, 64, requires_grad=True)  # saved by the graph
+        refs.append(weakref.ref(big))
+        h = (big[:4, :4] * w).sin()
+        h.register_hook(lambda g: 1 / 0)
+        with pytest.raises(ZeroDivisionError), replaygrad.enable(compiler):
+            h.sum().backward()
+
+    hook = sys.unraisablehook
+    sys.unraisablehook = unraisable.append
+    gc.disable()
+    try:
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join()
+        gc.collect()
+    finally:
+        gc.enable()
+        sys.unraisablehook = hook
+    assert refs[0]() is None, "the saved tensor was freed"
+    assert not unraisable
