@@ -142,3 +142,12 @@ def test_tensor_subclass_values_run_uncompiled():
         torch.testing.assert_close(got.elem, expected.elem, rtol=0, atol=0)
     assert torch._dynamo.utils.counters["frames"]["total"] == frames, "Dynamo saw no frame"
     assert replaygrad.cache_info()[:2] == (1, 1)
+    # The same structure with plain tensors compiles (an entry of its own), and a subclass
+    # call after it still runs uncompiled.
+    plain = x.elem.detach().requires_grad_()
+    replaygrad.grad(f(plain), plain, compiler="aot_eager")
+    assert torch._dynamo.utils.counters["frames"]["total"] > frames
+    frames = torch._dynamo.utils.counters["frames"]["total"]
+    (got,) = replaygrad.grad(f(x), x, compiler="aot_eager")
+    torch.testing.assert_close(got.elem, expected.elem, rtol=0, atol=0)
+    assert torch._dynamo.utils.counters["frames"]["total"] == frames

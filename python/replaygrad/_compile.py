@@ -187,11 +187,6 @@ class ReplayCache:
                 plan.key,
                 Lazy(lambda: key_difference(plan, latest.step_digests, latest.order)),
             )
-        if config.compiler is not None and _tensor_subclasses(plan):
-            # Dynamo cannot fake such tensors (e.g. LoggingTensor): every step would be a
-            # graph break and a frame of its own to compile, so the replay runs uncompiled.
-            cache_log.debug("replay %s runs uncompiled: tensor subclasses", plan.key)
-            config = Config(None, fallback=config.fallback)
         # Uncompiled, hooks run as plain calls that see the effects before them.
         replay = self._build(plan, config, config.compiler is not None, frozenset())
         entry = Entry(
@@ -289,18 +284,6 @@ class ReplayCache:
 
     def __len__(self) -> int:
         return len(self._entries)
-
-
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
-def _tensor_subclasses(plan: _core.Plan) -> bool:
-    """Whether the call's root gradients or saved values are tensor subclasses."""
-    return any(
-        v is not None and type(v) not in _PLAIN_TENSORS
-        for values in (plan.root_grads(), plan.saved_values())
-        for v in values
-    )
 
 
 def _region_size_from_env() -> int | None:

@@ -176,6 +176,18 @@ def _engine_only_reason() -> str | None:
     return None
 
 
+#: The types of values a compiled replay takes (saved values and root gradients may be
+#: undefined).
+_PLAIN_VALUES = frozenset({torch.Tensor, torch.nn.Parameter, type(None)})
+
+
+def _tensor_subclasses(grads: tuple, saved: list) -> bool:
+    """Whether root gradients or saved values of the call are tensor subclasses."""
+    return not (
+        _PLAIN_VALUES.issuperset(map(type, grads)) and _PLAIN_VALUES.issuperset(map(type, saved))
+    )
+
+
 def _graphs_compiled() -> int:
     """Graphs Dynamo compiled in this process so far."""
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -214,12 +226,16 @@ def _call(entry: Entry, plan: _core.Plan, config: Config, args: tuple, run: runn
 
 def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...] | None:
     plan_log.debug("plan:\n%s", Lazy(lambda: table(plan)))
+    grads = plan.root_grads()
+    saved = plan.saved_values()
+    if config.compiler is not None and _tensor_subclasses(grads, saved):
+        # Dynamo cannot fake such tensors (e.g. LoggingTensor): every step would be a graph
+        # break and a frame of its own to compile, so the replay runs uncompiled.
+        config = Config(None, fallback=config.fallback)
     entry = cache.get(plan, config)
     if entry.failed:
         _leave_to_engine(f"compiling the replay of plan {plan.key} failed before")
         return None
-    grads = plan.root_grads()
-    saved = plan.saved_values()
     hooks = hook_arguments(plan.hook_dicts(), entry.replay.hooks_in_graph)
     graphs = _graphs_compiled()
     deferred: list[torch.Tensor | None] = []
