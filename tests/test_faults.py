@@ -202,3 +202,36 @@ def test_nodes_before_an_error_release_their_saved_values(compiler, where):
 
     expected = run(torch.autograd.backward)
     assert run(lambda loss: replaygrad.backward(loss, compiler=compiler)) == expected
+
+
+class OpaqueIdentity(torch.autograd.Function):  # not traceable: a graph break
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 1
+
+
+def test_untraceable_step_after_a_graph_break_runs_as_itself_on_later_calls():
+    # The traced step fails while the code after a graph break compiles, after that graph
+    # break ran: this call cannot start over and raises (with a note); later calls run the
+    # step as itself and match eager.
+    def run(backward):
+        torch.manual_seed(0)
+        x, w = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+        backward(OpaqueIdentity.apply(NumpyInBackward.apply(x) * w).sum())
+        return x.grad, w.grad
+
+    def replay(loss):
+        replaygrad.backward(loss, compiler="aot_eager")
+
+    with pytest.raises(RuntimeError) as raised:
+        run(replay)
+    assert any("later calls run it as itself" in note for note in raised.value.__notes__)
+    expected = run(torch.autograd.backward)
+    for _ in range(2):
+        torch.testing.assert_close(run(replay), expected, rtol=0, atol=0)
+    info = replaygrad.cache_info()
+    assert (info.misses, info.hits) == (1, 2), "one entry, kept after the failed call"

@@ -245,7 +245,16 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
     except BaseException as error:  # KeyboardInterrupt too: leave no untested entry behind
         raised = node_error(error)
         if raised is not None or not _compile_failure(error):
-            if entry.calls == 0:
+            step = traced_step(error)
+            if step is not None:
+                # Raised while a later part of the call was traced, after parts of it ran
+                # (so the call could not start over): later calls run that step as itself.
+                cache.run_as_themselves(entry, plan, config, {step})
+                raised.add_note(
+                    f"replaygrad: step {step} of this backward raised while it was being "
+                    "compiled, after earlier steps ran; later calls run it as itself"
+                )
+            elif entry.calls == 0:
                 cache.discard(config, plan.key)  # no entry that never completed a call
             # The engine has run the accumulations and retain_grads before the failing step,
             # and released the saved variables of the nodes before it.
