@@ -176,6 +176,8 @@ def test_cache_info_reset_and_size():
         assert replaygrad.cache_info() == (0, 0, 0, 2)
         with pytest.raises(ValueError):
             replaygrad.set_cache_size(0)
+        with pytest.raises(ValueError):
+            replaygrad.set_cache_size(True)
     finally:
         replaygrad.set_cache_size(256)
 
@@ -185,3 +187,12 @@ def test_grad_is_grads_batched():
     expected = torch.autograd.grad(w * w, w, torch.eye(3), is_grads_batched=True)
     got = replaygrad.grad(w * w, w, torch.eye(3), is_grads_batched=True, compiler=None)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_plan_takes_gradient_edges():
+    x = torch.randn(2, requires_grad=True)
+    z = x * 3
+    loss = z.sin().sum()
+    edge = torch.autograd.graph.get_gradient_edge(z)
+    assert replaygrad.plan(loss, [edge]).order == replaygrad.plan(loss, [z]).order
+    assert replaygrad.plan(edge).order == ["MulBackward0", "torch::autograd::AccumulateGrad"]

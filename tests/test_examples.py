@@ -53,7 +53,9 @@ def test_environment_variable_enables_an_unmodified_script(tmp_path):
 
 
 def test_module_runner(tmp_path):
+    # The script imports a module next to it, as `python train.py` allows.
+    (tmp_path / "helper.py").write_text("VALUE = 3\n")
     script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
-    out = run(["-m", "replaygrad", "--compiler", "none", str(script)])
+    script.write_text(f"import helper\nassert helper.VALUE == 3\n{SCRIPT}")
+    out = run(["-m", "replaygrad", "--compiler", "none", str(script)], cwd=ROOT)
     assert out.strip() == "replayed 3"

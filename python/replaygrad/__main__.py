@@ -4,6 +4,7 @@ script with every backward on its main thread routed through replaygrad."""
 from __future__ import annotations
 
 import argparse
+import os
 import runpy
 import sys
 
@@ -26,6 +27,8 @@ def main(argv: list[str] | None = None) -> None:
     from . import enable
 
     sys.argv = [ns.script, *ns.args]
+    # As `python script.py` does: the script's folder comes first on the import path.
+    sys.path[0] = os.path.dirname(os.path.abspath(ns.script))
     with enable(parse_compiler(ns.compiler)):
         runpy.run_path(ns.script, run_name="__main__")
 

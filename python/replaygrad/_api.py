@@ -163,11 +163,21 @@ class Plan:
 def plan(tensors: TensorOrTensors, inputs: TensorOrTensors | None = None) -> Plan:
     """Plans the backward of ``tensors`` (with respect to ``inputs`` if given, as
     ``autograd.grad`` would) without running it."""
-    roots = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    roots = _as_tuple(tensors)
     if inputs is None:
         return Plan(_core.plan(roots))
-    targets = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-    return Plan(_core.plan(roots, targets, False))
+    return Plan(_core.plan(roots, _as_tuple(inputs), False))
+
+
+def _as_tuple(values: Any) -> tuple:
+    """Tensors or GradientEdges, one or several, as the tuple ``_core.plan`` takes (edges
+    as ``(node, output_nr)``)."""
+    if isinstance(values, (torch.Tensor, torch.autograd.graph.GradientEdge)):
+        values = (values,)
+    return tuple(
+        (v.node, v.output_nr) if isinstance(v, torch.autograd.graph.GradientEdge) else v
+        for v in values
+    )
 
 
 def explain(tensors: TensorOrTensors) -> str:

@@ -269,7 +269,7 @@ class ReplayCache:
         return CacheInfo(self.hits, self.misses, len(self._entries), self.maxsize)
 
     def resize(self, maxsize: int) -> None:
-        if not isinstance(maxsize, int) or maxsize < 1:
+        if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 1:
             raise ValueError(f"cache size must be a positive int, got {maxsize!r}")
         with self._lock:
             self.maxsize = maxsize
