@@ -24,6 +24,7 @@
 #include <ATen/SavedTensorHooks.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <string>
 #include <typeinfo>
@@ -56,6 +57,14 @@ rg_status fail(int kind, const char* message) {
   return RG_ERROR;
 }
 
+// A torch error as torch's CATCH_CORE_ERRORS hands it to Python: ATen type names made
+// Python ones ("CPUDoubleType" -> "torch.DoubleTensor").
+rg_status fail_torch(int kind, const c10::Error& e) {
+  last_kind = kind;
+  last_message = torch::processErrorMsg(e.what_without_backtrace());
+  return RG_ERROR;
+}
+
 // Maps the in-flight exception to a status, the way torch's HANDLE_TH_ERRORS maps it to a
 // Python exception type.
 rg_status translate_current_exception() {
@@ -65,15 +74,17 @@ rg_status translate_current_exception() {
     e.restore();
     return RG_PYTHON_ERROR;
   } catch (const c10::IndexError& e) {
-    return fail(RG_KIND_INDEX, e.what_without_backtrace());
+    return fail_torch(RG_KIND_INDEX, e);
   } catch (const c10::ValueError& e) {
-    return fail(RG_KIND_VALUE, e.what_without_backtrace());
+    return fail_torch(RG_KIND_VALUE, e);
   } catch (const c10::TypeError& e) {
-    return fail(RG_KIND_TYPE, e.what_without_backtrace());
+    return fail_torch(RG_KIND_TYPE, e);
   } catch (const c10::NotImplementedError& e) {
-    return fail(RG_KIND_NOT_IMPLEMENTED, e.what_without_backtrace());
+    return fail_torch(RG_KIND_NOT_IMPLEMENTED, e);
+  } catch (const c10::LinAlgError& e) {
+    return fail_torch(RG_KIND_LINALG, e);
   } catch (const c10::Error& e) {
-    return fail(RG_KIND_RUNTIME, e.what_without_backtrace());
+    return fail_torch(RG_KIND_RUNTIME, e);
   } catch (const std::bad_alloc& e) {
     return fail(RG_KIND_MEMORY, e.what());
   } catch (const std::exception& e) {
@@ -163,16 +174,22 @@ rg_node_kind kind_of_uncached(Node& node) {
 }
 
 // The kind is a property of the node's C++ type: found once per type (dynamic_cast and
-// type-name comparisons cost more than the rest of a node's visit).
+// type-name comparisons cost more than the rest of a node's visit). The cache is a small
+// table shared by all threads: each entry is a type_info address with the kind in its low
+// bits (type_info objects are pointer-aligned), written and read atomically, so a reader
+// sees a whole entry or a miss.
 rg_node_kind kind_of(Node& node) {
-  thread_local std::unordered_map<const std::type_info*, rg_node_kind> kinds;
-  const std::type_info* type = &typeid(node);
-  auto it = kinds.find(type);
-  if (it != kinds.end()) {
-    return it->second;
+  constexpr size_t kSlots = 256;
+  static_assert(alignof(std::type_info) >= 8, "the kind lives in a type_info address's low bits");
+  static std::atomic<uintptr_t> cache[kSlots];
+  const auto type = reinterpret_cast<uintptr_t>(&typeid(node));
+  auto& slot = cache[(type >> 4) % kSlots];
+  uintptr_t entry = slot.load(std::memory_order_relaxed);
+  if ((entry & ~uintptr_t{7}) == type) {
+    return static_cast<rg_node_kind>(entry & 7);
   }
   rg_node_kind kind = kind_of_uncached(node);
-  kinds.emplace(type, kind);
+  slot.store(type | static_cast<uintptr_t>(kind), std::memory_order_relaxed);
   return kind;
 }
 
@@ -417,6 +434,8 @@ struct rg_collector {
   AutogradCompilerCall compiler{SizeInput::STATIC};
   std::vector<const SavedVariable*> svs;
   std::vector<at::Tensor> values;
+  // Each value's version when planned (0 for an undefined one).
+  std::vector<uint32_t> versions;
   std::vector<uint8_t> key;
   std::vector<int64_t> sizes;
   // The visited node's saved variables by (TensorArg id, address), reused across visits.
@@ -782,6 +801,12 @@ static bool append_ctx_state(PyObject* ctx, std::vector<uint8_t>& key) {
   return plain;
 }
 
+// Inference tensors have no version counter (and are never modified behind autograd's back).
+static uint32_t version_of(const at::Tensor& value) {
+  c10::TensorImpl* impl = value.unsafeGetTensorImpl();
+  return impl->is_inference() ? 0 : impl->version_counter().current_version();
+}
+
 // A saved value as a replay input: detached from the graph, but reporting requires_grad as
 // the unpacked original does (backward formulas such as linalg_solve_backward ask
 // `A.requires_grad()` to decide which gradients to compute).
@@ -789,7 +814,21 @@ static at::Tensor detached_value(const at::Tensor& unpacked) {
   if (!unpacked.defined()) {
     return unpacked;
   }
-  at::Tensor value = unpacked.detach();
+  at::Tensor value;
+  c10::TensorImpl* impl = unpacked.unsafeGetTensorImpl();
+  if (typeid(*impl) == typeid(c10::TensorImpl) && impl->layout() == c10::kStrided &&
+      !impl->key_set().has_any(c10::python_ks)) {
+    // What detach() makes of a plain dense tensor (make_variable_non_differentiable_view:
+    // a shallow copy sharing the version counter, without autograd metadata), without the
+    // dispatcher's two copies and profiler bookkeeping: this runs for every saved value of
+    // every call.
+    value = at::Tensor(impl->shallow_copy_and_detach(
+        torch::autograd::impl::version_counter(unpacked),
+        /*allow_tensor_metadata_change=*/false));
+  } else {
+    // Subclasses and other tensor kinds detach themselves (a __torch_dispatch__ sees it).
+    value = unpacked.detach();
+  }
   if (unpacked.requires_grad()) {
     value.set_requires_grad(true);
   }
@@ -832,10 +871,12 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
     // it can only run as itself.
     return opaque();
   }
-  if (auto* copy_slices = dynamic_cast<torch::autograd::CopySlices*>(&node)) {
-    // CopySlices runs the node of the in-place op it wraps: traced only when that node is
-    // one of torch's own (a custom Function's backward must run as itself, every call).
-    if (!copy_slices->fn || kind_of(*copy_slices->fn) != RG_NODE_GENERIC) {
+  // CopySlices runs the node of the in-place op it wraps: traced only when that node is one
+  // of torch's own (a custom Function's backward must run as itself, every call). Nothing
+  // derives from CopySlices, so its type is compared (a dynamic_cast per node costs more).
+  if (typeid(node) == typeid(torch::autograd::CopySlices)) {
+    const auto& copy_slices = static_cast<torch::autograd::CopySlices&>(node);
+    if (!copy_slices.fn || kind_of(*copy_slices.fn) != RG_NODE_GENERIC) {
       return opaque();
     }
   }
@@ -870,6 +911,7 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
       value = detached_value(compiler.tensor_args.inputs[arg->index()]);
     }
     c->svs.push_back(sv);
+    c->versions.push_back(value.defined() ? version_of(value) : 0);
     c->values.push_back(std::move(value));
   }
   *n_saved = plain.size();
@@ -886,13 +928,61 @@ size_t rg_collector_len(const rg_collector* c) {
   return c->svs.size();
 }
 
-rg_status rg_collector_slot(const rg_collector* c, size_t i, const rg_sv** sv, rg_tensor** value) {
+rg_status rg_collector_saved_variables(const rg_collector* c, const rg_sv** out, size_t n) {
   RG_TRY
-  if (i >= c->svs.size()) {
-    return fail(RG_KIND_INDEX, "rg_collector_slot: slot out of range");
+  if (n != c->svs.size()) {
+    return fail(RG_KIND_INDEX, "rg_collector_saved_variables: wrong number of slots");
   }
-  *sv = reinterpret_cast<const rg_sv*>(c->svs[i]);
-  *value = new_handle(c->values[i]);
+  for (size_t i = 0; i < n; ++i) {
+    out[i] = reinterpret_cast<const rg_sv*>(c->svs[i]);
+  }
+  RG_CATCH
+}
+
+rg_status rg_collector_value(const rg_collector* c, size_t i, rg_tensor** value) {
+  RG_TRY
+  if (i >= c->values.size()) {
+    return fail(RG_KIND_INDEX, "rg_collector_value: slot out of range");
+  }
+  *value = c->values[i].defined() ? new_handle(c->values[i]) : nullptr;
+  RG_CATCH
+}
+
+rg_status rg_collector_first_modified(const rg_collector* c, size_t begin, size_t end,
+                                      size_t* slot) {
+  RG_TRY
+  end = std::min(end, c->values.size());
+  *slot = end;
+  for (size_t i = begin; i < end; ++i) {
+    const at::Tensor& value = c->values[i];
+    if (value.defined() && version_of(value) != c->versions[i]) {
+      *slot = i;
+      break;
+    }
+  }
+  RG_CATCH
+}
+
+rg_status rg_saved_variable_unpack(const rg_sv* sv, rg_node* saved_for) {
+  RG_TRY
+  reinterpret_cast<const SavedVariable*>(sv)->unpack(as_node(saved_for)->getptr());
+  RG_CATCH
+}
+
+rg_status rg_collector_values_to_list(const rg_collector* c, PyObject** out) {
+  RG_TRY
+  THPObjectPtr list(PyList_New(static_cast<Py_ssize_t>(c->values.size())));
+  if (!list) {
+    throw python_error();
+  }
+  for (size_t i = 0; i < c->values.size(); ++i) {
+    PyObject* item = c->values[i].defined() ? THPVariable_Wrap(c->values[i]) : Py_NewRef(Py_None);
+    if (!item) {
+      throw python_error();
+    }
+    PyList_SET_ITEM(list.get(), static_cast<Py_ssize_t>(i), item);
+  }
+  *out = list.release();
   RG_CATCH
 }
 

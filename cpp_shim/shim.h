@@ -45,6 +45,7 @@ typedef enum {
   RG_KIND_TYPE = 3,
   RG_KIND_NOT_IMPLEMENTED = 4,
   RG_KIND_MEMORY = 5,
+  RG_KIND_LINALG = 6, // c10::LinAlgError: torch.linalg.LinAlgError
 } rg_error_kind;
 
 const char* rg_last_error_message(void);
@@ -142,10 +143,21 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* node, int* supported, siz
                              const uint8_t** key, size_t* key_len, const int64_t** sizes,
                              size_t* n_sizes);
 size_t rg_collector_len(const rg_collector* c);
-// Slot i: the SavedVariable's address (borrowed) and a new handle to its unpacked value,
-// detached from the graph but reporting the original's requires_grad (null for an undefined
-// saved value).
-rg_status rg_collector_slot(const rg_collector* c, size_t i, const rg_sv** sv, rg_tensor** value);
+// The SavedVariables' addresses (borrowed), slot by slot: writes n = rg_collector_len(c).
+rg_status rg_collector_saved_variables(const rg_collector* c, const rg_sv** out, size_t n);
+// Slot i's value: a new handle to the unpacked value, detached from the graph but reporting
+// the original's requires_grad (null for an undefined saved value).
+rg_status rg_collector_value(const rg_collector* c, size_t i, rg_tensor** value);
+// The first slot in [begin, end) whose value was modified in place since it was planned
+// (its version counter moved on), or end if none was.
+rg_status rg_collector_first_modified(const rg_collector* c, size_t begin, size_t end,
+                                      size_t* slot);
+// Unpacks a node's own SavedVariable as the node would when it runs, for its errors (e.g.
+// "modified by an inplace operation"); the value is dropped.
+rg_status rg_saved_variable_unpack(const rg_sv* sv, rg_node* saved_for);
+// Every slot's value as a new Python list of tensors (None where undefined), in one call:
+// this runs for every backward call. Needs the GIL.
+rg_status rg_collector_values_to_list(const rg_collector* c, PyObject** out);
 
 // ---- running nodes ---------------------------------------------------------------------
 // Runs node(inputs) with grad mode off and then validate_outputs(next_edges) as the engine's

@@ -13,6 +13,8 @@ pub enum ErrorKind {
     Type,
     NotImplemented,
     Memory,
+    /// `c10::LinAlgError`: `torch.linalg.LinAlgError` (a RuntimeError).
+    LinAlg,
 }
 
 impl ErrorKind {
@@ -24,6 +26,7 @@ impl ErrorKind {
             3 => ErrorKind::Type,
             4 => ErrorKind::NotImplemented,
             5 => ErrorKind::Memory,
+            6 => ErrorKind::LinAlg,
             _ => ErrorKind::Runtime,
         }
     }
@@ -81,6 +84,17 @@ impl From<ShimError> for pyo3::PyErr {
                 ErrorKind::Type => exc::PyTypeError::new_err(message),
                 ErrorKind::NotImplemented => exc::PyNotImplementedError::new_err(message),
                 ErrorKind::Memory => exc::PyMemoryError::new_err(message),
+                ErrorKind::LinAlg => pyo3::Python::attach(|py| {
+                    use pyo3::types::PyAnyMethods;
+                    let linalg_error = py
+                        .import("torch.linalg")
+                        .and_then(|m| m.getattr("LinAlgError"))
+                        .and_then(|t| t.cast_into::<pyo3::types::PyType>().map_err(Into::into));
+                    match linalg_error {
+                        Ok(t) => pyo3::PyErr::from_type(t, message),
+                        Err(_) => exc::PyRuntimeError::new_err(message),
+                    }
+                }),
             },
         }
     }

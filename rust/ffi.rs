@@ -134,12 +134,20 @@ extern "C" {
         n_sizes: *mut usize,
     ) -> c_int;
     fn rg_collector_len(c: *const RawCollector) -> usize;
-    fn rg_collector_slot(
+    fn rg_collector_saved_variables(
         c: *const RawCollector,
-        i: usize,
-        sv: *mut *const RawSavedVariable,
-        value: *mut *mut C_tensor,
+        out: *mut *const RawSavedVariable,
+        n: usize,
     ) -> c_int;
+    fn rg_collector_value(c: *const RawCollector, i: usize, value: *mut *mut C_tensor) -> c_int;
+    fn rg_collector_values_to_list(c: *const RawCollector, out: *mut PyObjectPtr) -> c_int;
+    fn rg_collector_first_modified(
+        c: *const RawCollector,
+        begin: usize,
+        end: usize,
+        slot: *mut usize,
+    ) -> c_int;
+    fn rg_saved_variable_unpack(sv: *const RawSavedVariable, saved_for: *mut RawNode) -> c_int;
 
     fn rg_node_apply(
         node: *mut RawNode,
@@ -699,29 +707,73 @@ impl Collector {
     }
 
     /// All slots visited so far: each SavedVariable's address and its unpacked value.
-    pub fn into_slots(self) -> Result<(Vec<*const RawSavedVariable>, Vec<Option<Tensor>>), ShimError> {
+    /// Slots collected so far.
+    pub fn len(&self) -> usize {
         // SAFETY: the collector is alive.
-        let n = unsafe { rg_collector_len(self.0.as_ptr()) };
-        let mut svs = Vec::with_capacity(n);
-        let mut values = Vec::with_capacity(n);
-        for i in 0..n {
-            let mut sv = ptr::null();
-            let mut value = ptr::null_mut();
-            // SAFETY: i < len.
-            check(unsafe { rg_collector_slot(self.0.as_ptr(), i, &mut sv, &mut value) })?;
-            svs.push(sv);
-            // SAFETY: an owned handle or null.
-            values.push((!value.is_null()).then(|| unsafe { Tensor::from_ptr(value) }));
-        }
-        Ok((svs, values))
+        unsafe { rg_collector_len(self.0.as_ptr()) }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The SavedVariable of every slot (the node's own, swapped during a traced call).
+    pub fn saved_variables(&self) -> Result<Vec<*const RawSavedVariable>, ShimError> {
+        let n = self.len();
+        let mut svs = vec![ptr::null(); n];
+        // SAFETY: `svs` has room for the n slots the collector holds.
+        check(unsafe { rg_collector_saved_variables(self.0.as_ptr(), svs.as_mut_ptr(), n) })?;
+        Ok(svs)
+    }
+
+    /// Slot `i`'s value as planned (detached; None if undefined).
+    pub fn value(&self, i: usize) -> Result<Option<Tensor>, ShimError> {
+        let mut value = ptr::null_mut();
+        // SAFETY: out-pointer to a local; the shim checks the index.
+        check(unsafe { rg_collector_value(self.0.as_ptr(), i, &mut value) })?;
+        // SAFETY: an owned handle or null.
+        Ok((!value.is_null()).then(|| unsafe { Tensor::from_ptr(value) }))
+    }
+
+    /// The first slot in `slots` whose value was modified in place since it was planned.
+    pub fn first_modified(&self, slots: std::ops::Range<usize>) -> Result<Option<usize>, ShimError> {
+        let mut slot = 0usize;
+        // SAFETY: out-pointer to a local; the shim clamps the range.
+        check(unsafe { rg_collector_first_modified(self.0.as_ptr(), slots.start, slots.end, &mut slot) })?;
+        Ok((slot < slots.end.min(self.len())).then_some(slot))
+    }
+
+    /// Every slot's value as a new Python list (None where undefined).
+    ///
+    /// # Safety
+    /// The GIL must be held.
+    pub unsafe fn values_to_list(&self) -> Result<PyObjectPtr, ShimError> {
+        let mut out = ptr::null_mut();
+        check(rg_collector_values_to_list(self.0.as_ptr(), &mut out))?;
+        Ok(out)
     }
 }
+
+// SAFETY: the collector is only mutated while a layout is built (`&mut self`); afterwards it
+// is read. What it holds (tensors, SavedVariable addresses) may be used and freed on any
+// thread: torch's reference counts are atomic.
+unsafe impl Send for Collector {}
+unsafe impl Sync for Collector {}
 
 impl Drop for Collector {
     fn drop(&mut self) {
         // SAFETY: we own the collector.
         unsafe { rg_collector_free(self.0.as_ptr()) }
     }
+}
+
+/// Unpacks `sv`, a SavedVariable of `node`, as the node would when it runs, for the errors
+/// that raises (the value is dropped).
+///
+/// # Safety
+/// `sv` must be the address of one of `node`'s SavedVariables.
+pub unsafe fn unpack_saved_variable(sv: *const RawSavedVariable, node: &NodeRef) -> Result<(), ShimError> {
+    check(rg_saved_variable_unpack(sv, node.as_ptr()))
 }
 
 /// The engine hook: while installed, Engine::execute hands backward calls on threads where

@@ -4,7 +4,6 @@
 
 use std::ops::Range;
 
-use tch::Tensor;
 use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 use crate::errors::ShimError;
@@ -56,8 +55,9 @@ pub struct Layout {
     pub hooks: Vec<HookRef>,
     /// Slot → the node's own SavedVariable (swapped during the call).
     pub svs: Vec<*const RawSavedVariable>,
-    /// Slot → the value it held when planned (detached; None if undefined).
-    pub values: Vec<Option<Tensor>>,
+    /// Slot → the value it held when planned (detached; None if undefined), kept where
+    /// compiled_args collected it.
+    pub values: Collector,
     /// Per step: the digests its part of the key is made of.
     pub digests: Vec<StepDigest>,
     pub key: u128,
@@ -297,13 +297,13 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
             hooks: hook_start..hooks.len() as u32,
         });
     }
-    let (svs, values) = collector.into_slots()?;
+    let svs = collector.saved_variables()?;
     debug_assert_eq!(svs.len(), num_saved as usize);
     Ok(Layout {
         steps,
         hooks,
         svs,
-        values,
+        values: collector,
         digests,
         key: hasher.digest128(),
     })

@@ -193,11 +193,30 @@ impl Plan {
         Ok(())
     }
 
-    /// Frees the saved variables of the nodes of the steps before `before` that ran, as
-    /// the engine does without retain_graph (a step popped only to capture keeps them).
-    pub fn release_variables(&self, before: usize) -> Result<(), ShimError> {
-        let steps = self.schedule.steps.iter().zip(&self.schedule.needed);
-        for (&n, &needed) in steps.take(before) {
+    /// Checks that the saved values of steps `from..=to` were not modified in place since
+    /// they were planned (by a hook or a node that ran outside the graph since): the node
+    /// would then raise when it unpacks them, as in the engine, and so does this.
+    pub fn check_saved_versions(&self, from: u32, to: u32) -> Result<(), ShimError> {
+        let steps = &self.layout.steps;
+        let (from, to) = (from as usize, to as usize);
+        if from > to || from >= steps.len() {
+            return Ok(());
+        }
+        let last = &steps[to.min(steps.len() - 1)];
+        let slots = steps[from].saved.start as usize..last.saved.end as usize;
+        let Some(slot) = self.layout.values.first_modified(slots)? else {
+            return Ok(());
+        };
+        let step = steps.partition_point(|s| s.saved.end as usize <= slot);
+        // SAFETY: the slot's SavedVariable belongs to that step's node.
+        unsafe { ffi::unpack_saved_variable(self.layout.svs[slot], self.node(step as u32)?) }
+    }
+
+    /// Frees the saved variables of the nodes of the steps in `steps` that ran, as the
+    /// engine does without retain_graph (a step popped only to capture keeps them).
+    pub fn release_variables(&self, steps: std::ops::Range<usize>) -> Result<(), ShimError> {
+        let ran = self.schedule.steps.iter().zip(&self.schedule.needed);
+        for (&n, &needed) in ran.skip(steps.start).take(steps.len()) {
             if needed {
                 self.snapshot.handles[n as usize].release_variables()?;
             }

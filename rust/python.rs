@@ -90,6 +90,8 @@ pub struct PyPlan {
     call: Option<CallData>,
     /// Deferred effects performed so far (run_deferred goes on from there).
     effects_done: AtomicUsize,
+    /// Steps whose nodes' saved variables were released so far (the first ones).
+    released: AtomicUsize,
 }
 
 // SAFETY: a plan is only used through its Python methods, which all run with the GIL held
@@ -269,14 +271,9 @@ impl PyPlan {
 
     /// The saved values of traced steps, one per slot, as planned (detached).
     fn saved_values<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let items = self
-            .plan
-            .layout
-            .values
-            .iter()
-            .map(|v| to_py(py, v.as_ref().map(|t| t.shallow_clone())))
-            .collect::<PyResult<Vec<_>>>()?;
-        PyList::new(py, items)
+        // SAFETY: the GIL is held; the shim returns a new reference to a list.
+        let list = unsafe { self.plan.layout.values.values_to_list() }?;
+        Ok(unsafe { Bound::from_owned_ptr(py, list) }.cast_into::<PyList>()?)
     }
 
     /// For every Python hook of the plan, in replay order: the hook's dict of callables (by
@@ -422,11 +419,25 @@ impl PyPlan {
         Ok(())
     }
 
-    /// Frees the saved variables of every executed node (backward without retain_graph),
-    /// or of those before step `before` (the ones that ran before an error).
+    /// Raises what the node would (RuntimeError: "... modified by an inplace operation") if
+    /// a saved value of steps `first..=last` was modified in place since it was planned.
+    fn check_saved_versions(&self, first: u32, last: u32) -> PyResult<()> {
+        Ok(self.plan.check_saved_versions(first, last)?)
+    }
+
+    /// Frees the saved variables of the nodes that ran (backward without retain_graph): of
+    /// every one, or of those before step `before` (those that ran before an error, or
+    /// before code outside the graph runs, which could reach them). Goes on from the steps
+    /// released before.
     #[pyo3(signature = (before=None))]
     fn release_variables(&self, before: Option<usize>) -> PyResult<()> {
-        Ok(self.plan.release_variables(before.unwrap_or(usize::MAX))?)
+        let start = self.released.load(Ordering::Relaxed);
+        let end = before.unwrap_or(usize::MAX).min(self.plan.num_steps());
+        if start < end {
+            self.plan.release_variables(start..end)?;
+            self.released.store(end, Ordering::Relaxed);
+        }
+        Ok(())
     }
 }
 
@@ -499,6 +510,7 @@ fn plan(
         plan: Plan::build_for(&edges, outputs.as_deref(), accumulate_grad)?,
         call: None,
         effects_done: AtomicUsize::new(0),
+        released: AtomicUsize::new(0),
     })
 }
 
@@ -520,6 +532,7 @@ fn plan_engine_call(call: &Bound<'_, PyAny>) -> PyResult<Option<PyPlan>> {
             keep_graph: call.keep_graph,
         }),
         effects_done: AtomicUsize::new(0),
+        released: AtomicUsize::new(0),
     }))
 }
 

@@ -11,7 +11,7 @@ import torch
 
 import replaygrad
 
-from conftest import COMPILERS, FAST_COMPILERS
+from conftest import COMPILERS, FAST_COMPILERS, assert_grads_equal, grads_of
 
 
 class Boom(Exception):
@@ -142,7 +142,9 @@ def test_traced_function_raising_keeps_what_ran_before(compiler):
         y.retain_grad()
         y.register_hook(lambda g: log.append(g.clone()))
         with pytest.raises(IndexError, match="bad index in backward") as raised:
-            backward(y.sum())
+            # (y * 2): a gradient that is not expanded, so the hook is traced (sum()'s
+            # would make it a graph break, after which the call could not start over).
+            backward((y * 2).sum())
         return log, y.grad, a.grad, b.grad, str(raised.value)
 
     expected = run(torch.autograd.backward)
@@ -235,3 +237,116 @@ def test_untraceable_step_after_a_graph_break_runs_as_itself_on_later_calls():
         torch.testing.assert_close(run(replay), expected, rtol=0, atol=0)
     info = replaygrad.cache_info()
     assert (info.misses, info.hits) == (1, 2), "one entry, kept after the failed call"
+
+
+# ---- saved values modified in place during the backward ----------------------------------
+
+
+def _modified_saved_value(where: str, backward) -> tuple:
+    """A backward where something running outside the graph modifies in place a tensor
+    that a node saved: before that node runs (the engine raises when it unpacks it) or
+    after (nothing to see). Returns the error or the gradients."""
+    w = torch.randn(4, 4, dtype=torch.double, requires_grad=True)
+    z = torch.randn(4, 4, dtype=torch.double, requires_grad=True)
+    s = torch.randn(4, 4, dtype=torch.double)
+    x = torch.randn(3, 4, dtype=torch.double)
+
+    class Opaque(torch.autograd.Function):  # runs as itself: a graph break
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            s.add_(1)
+            return g
+
+    def step(p):
+        p.data.sub_(0.1 * p.grad)
+
+    def double_s(*_):
+        s.mul_(2)
+
+    if where == "post-accumulate-grad hook":
+        # Optimizer step in backward, on a parameter also used detached (its
+        # AccumulateGrad runs before the node that saved the detached one).
+        w.register_post_accumulate_grad_hook(step)
+        loss = (x @ w).sum() + (z * w.detach()).sum()
+    elif where == "tensor hook":
+        q = (z * s).exp()  # MulBackward0 saved s, runs after q's hook
+        q.register_hook(double_s)
+        loss = q.sum() + (x @ w).sum()
+    elif where == "opaque node":
+        loss = (Opaque.apply(z * s) * w).sum()
+    else:  # "after the node ran": s is modified once MulBackward0 used it
+        q = (z * s).exp()
+        q.grad_fn.next_functions[0][0].register_hook(double_s)
+        loss = q.sum() + (x @ w).sum()
+    try:
+        backward(loss)
+    except RuntimeError as error:
+        return ("error", str(error).split(";")[0])
+    return grads_of([w, z])
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+@pytest.mark.parametrize(
+    "where", ["post-accumulate-grad hook", "tensor hook", "opaque node", "after the node ran"]
+)
+def test_saved_value_modified_in_place_during_backward(compiler, where):
+    # The replay's saved values were unpacked when the call was planned; the engine unpacks
+    # each node's when it runs, and raises if one was modified in place in between.
+    torch.manual_seed(0)
+    expected = _modified_saved_value(where, lambda loss: loss.backward())
+    torch.manual_seed(0)
+    got = _modified_saved_value(where, lambda loss: replaygrad.backward(loss, compiler=compiler))
+    if expected[0] == "error":
+        assert got == expected
+        assert "modified by an inplace operation" in got[1]
+    else:
+        assert_grads_equal(expected, got, exact=compiler is None)
+
+
+def _saved_self_after_its_node_ran(backward, where: str) -> list:
+    """Code outside the graph that runs after SinBackward0 reads its saved value: released
+    by then without retain_graph, as the engine releases a node's saved variables when it
+    has run."""
+    seen = []
+
+    def look(*_):
+        try:
+            _ = sin_node._saved_self
+            seen.append("accessible")
+        except RuntimeError as error:
+            seen.append(str(error).split(".")[0])
+
+    class Looks(torch.autograd.Function):  # runs as itself, after SinBackward0
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            look()
+            return g
+
+    a = torch.randn(3, requires_grad=True)
+    y = a.exp() if where == "hook" else Looks.apply(a.exp())
+    z = y.sin()
+    sin_node = z.grad_fn
+    if where == "hook":
+        y.grad_fn.register_prehook(look)  # ExpBackward0 runs after SinBackward0
+    backward(z.sum())
+    return seen
+
+
+@pytest.mark.parametrize(
+    "compiler, where", [(None, "hook"), (None, "opaque node"), ("aot_eager", "opaque node")]
+)
+def test_saved_values_of_nodes_that_ran_are_released_before_code_outside_the_graph(compiler, where):
+    expected = _saved_self_after_its_node_ran(lambda loss: loss.backward(), where)
+    got = _saved_self_after_its_node_ran(
+        lambda loss: replaygrad.backward(loss, compiler=compiler), where
+    )
+    assert got == expected
+    assert expected and all(s.startswith("Trying to backward through the graph") for s in got)

@@ -7,6 +7,8 @@ what they see, and runs once with the engine and once with replaygrad.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -439,6 +441,91 @@ def test_hook_mutates_the_gradient_in_place(compiler):
         b.register_hook(double_in_place)
         a.register_hook(lambda g: log.append(("a", summary(g))))
         backward((a + b).exp().sum())
+        return log, grads_of([x])
+
+    compare(run, compiler)
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+@pytest.mark.parametrize("op", ["zero_", "fill_", "masked_fill_", "mul_", "clamp_"])
+@pytest.mark.parametrize("kind", ["tensor", "pre", "post"])
+def test_hook_mutates_an_expanded_gradient_in_place(compiler, op, kind):
+    # sum()'s gradient is expanded (stride 0): in eager, mul_ and clamp_ on it raise
+    # (internal overlap) and zero_/fill_/masked_fill_ write every alias. Traced, neither
+    # happens (the compiled graph computed -3 for zero_); such hooks run outside the graph.
+    ops = {
+        "zero_": lambda g: g.zero_(),
+        "fill_": lambda g: g.fill_(2.0),
+        "masked_fill_": lambda g: g.masked_fill_(torch.tensor([True, False, True, False]), 0),
+        "mul_": lambda g: g.mul_(3),
+        "clamp_": lambda g: g.clamp_(max=0.5),
+    }
+
+    def mutate(g):
+        ops[op](g)  # returns None: the engine goes on with g as mutated
+
+    def run(backward):
+        a = torch.ones(4, requires_grad=True)
+        b = a * 2
+        y = b.sum()
+        if kind == "tensor":
+            b.register_hook(mutate)
+        elif kind == "pre":  # MulBackward0 gets SumBackward0's expanded gradient
+            b.grad_fn.register_prehook(lambda grads: mutate(grads[0]))
+        else:
+            y.grad_fn.register_hook(lambda grad_inputs, _: mutate(grad_inputs[0]))
+        try:
+            backward(y)
+        except RuntimeError as error:
+            return [("error", str(error).splitlines()[0])], []
+        return [], grads_of([a])
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Use of masked_fill_ on expanded tensors")
+        compare(run, compiler)
+
+
+@pytest.mark.parametrize("how", ["option", "callable"])
+def test_hook_on_an_expanded_gradient_under_fullgraph(how):
+    # No graph break is allowed: the hook stays in the graph (given as a callable, the
+    # compiler is only known to refuse one once compiling fails; the call starts over).
+    def run(backward):
+        log = []
+        a = torch.linspace(-1, 1, 4, requires_grad=True)
+        b = a.exp()
+        b.register_hook(lambda g: log.append(("b", summary(g))))
+        backward(b.sum())
+        return log, grads_of([a])
+
+    def fullgraph_backward(loss):
+        if how == "option":
+            replaygrad.backward(loss, compiler="aot_eager", fullgraph=True)
+        else:
+            compiler = torch.compile(backend="aot_eager", fullgraph=True)
+            replaygrad.backward(loss, compiler=compiler)
+
+    expected_log, expected_grads = run(eager_backward)
+    got_log, got_grads = run(fullgraph_backward)
+    assert_logs_equal(expected_log, got_log, exact=False)
+    assert_same(tuple(expected_grads), tuple(got_grads), False, "grads")
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_traced_hook_failing_on_the_traced_values_raises_as_in_eager(compiler):
+    # The hook's error comes up while the compiler traces it (on fake tensors): the call
+    # starts over with hooks outside the graph, where it raises as in eager, after the
+    # effects before it.
+    def run(backward):
+        log = []
+        x = torch.randn(4, requires_grad=True)
+        h = x.exp()
+        h.register_hook(lambda g: log.append(("h", summary(g))))
+        out = h * 2
+        out.register_hook(lambda g: g.view(-1, 3))
+        try:
+            backward(out.sum())
+        except RuntimeError as error:
+            log.append(("error", str(error).splitlines()[0]))
         return log, grads_of([x])
 
     compare(run, compiler)

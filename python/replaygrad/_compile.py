@@ -188,7 +188,10 @@ class ReplayCache:
                 Lazy(lambda: key_difference(plan, latest.step_digests, latest.order)),
             )
         # Uncompiled, hooks run as plain calls that see the effects before them.
-        replay = self._build(plan, config, config.compiler is not None, frozenset())
+        # Under fullgraph=True no hook can leave the graph.
+        replay = self._build(
+            plan, config, config.compiler is not None, frozenset(), not config.fullgraph
+        )
         entry = Entry(
             replay=replay,
             step_digests=plan.step_digests(),
@@ -202,20 +205,23 @@ class ReplayCache:
         cache_log.debug("miss %s (%d steps): compiled a new replay", plan.key, plan.num_steps)
         return entry
 
-    def move_hooks_outside(self, entry: Entry, plan: _core.Plan, config: Config) -> None:
+    def move_hooks_outside(
+        self, entry: Entry, plan: _core.Plan, config: Config, reason: str
+    ) -> None:
         """Rebuilds ``entry`` with its Python hooks called through graph breaks.
 
         Dynamo guards on the Python state a traced hook reads (e.g. the length of a list it
         appends to), so such a hook makes every call recompile until Dynamo's recompile
         limit, after which it stops compiling. Run outside the graph, hooks are plain
-        Python calls between compiled regions, with nothing to guard on.
+        Python calls between compiled regions, with nothing to guard on. A hook the
+        compiler fails on runs there too.
         """
         recompiles_log.info(
-            "replay %s recompiled on a cache hit: its Python hooks touch state Dynamo guards "
-            "on; running them outside the compiled graph from now on",
+            "replay %s: %s; running its Python hooks outside the compiled graph from now on",
             plan.key,
+            reason,
         )
-        entry.replay = self._build(plan, config, False, entry.opaque)
+        entry.replay = self._build(plan, config, False, entry.opaque, entry.replay.escapes)
 
     def run_as_themselves(
         self, entry: Entry, plan: _core.Plan, config: Config, steps: set[int]
@@ -230,10 +236,27 @@ class ReplayCache:
             sorted(steps),
         )
         entry.opaque |= steps
-        entry.replay = self._build(plan, config, entry.replay.hooks_in_graph, entry.opaque)
+        entry.replay = self._build(
+            plan, config, entry.replay.hooks_in_graph, entry.opaque, entry.replay.escapes
+        )
+
+    def keep_hooks_in_graph(self, entry: Entry, plan: _core.Plan, config: Config) -> None:
+        """Rebuilds ``entry`` with its traced hooks kept in the graph whatever their
+        gradients: compiling failed where a hook would leave it (a compiler that allows no
+        graph break, e.g. ``torch.compile(..., fullgraph=True)`` passed as a callable)."""
+        recompiles_log.info(
+            "compiling replay %s failed with hooks leaving the graph; keeping them in it",
+            plan.key,
+        )
+        entry.replay = self._build(plan, config, True, entry.opaque, False)
 
     def _build(
-        self, plan: _core.Plan, config: Config, hooks_in_graph: bool, opaque: frozenset[int]
+        self,
+        plan: _core.Plan,
+        config: Config,
+        hooks_in_graph: bool,
+        opaque: frozenset[int],
+        escapes: bool,
     ) -> Replay:
         """The replay of ``plan``, its regions compiled with ``config`` (or taken from other
         cached replays that have them)."""
@@ -250,7 +273,7 @@ class ReplayCache:
 
         size = self.region_size if config.compiler is not None else None
         saved = plan.saved_values() if size is not None else ()
-        replay = build(plan, compile_region, hooks_in_graph, opaque, size, saved)
+        replay = build(plan, compile_region, hooks_in_graph, opaque, size, saved, escapes)
         source_log.debug("replay %s:\n%s", plan.key, replay.source)
         return replay
 

@@ -205,6 +205,7 @@ def _call(entry: Entry, plan: _core.Plan, config: Config, args: tuple, run: runn
     time (e.g. the gradient of ``gather(..., sparse_grad=True)``), and a step whose node
     raised while being traced (see :func:`traced_step`)."""
     while True:
+        run.breaks = entry.replay.breaks
         try:
             with run, torch.no_grad(), non_strided_steps() as non_strided:
                 return entry.replay.fn(*args)
@@ -212,16 +213,27 @@ def _call(entry: Entry, plan: _core.Plan, config: Config, args: tuple, run: runn
             if not run.restartable:
                 raise
             step = traced_step(error)
+            steps: set[int] = set()
+            hooks = None
             if step is not None and step not in entry.opaque:
                 steps = {step}
             elif _compile_failure(error) and node_error(error) is None:
                 steps = non_strided - entry.opaque
-            else:
-                steps = set()
-            if not steps:
+                if not steps and entry.replay.hooks_in_graph and args[2]:
+                    # Traced Python hooks the compiler fails on: first kept in the graph
+                    # (a compiler allowing no graph break failed where one would leave
+                    # it), then outside it, where a hook raises as in eager, or works.
+                    hooks = "in graph" if entry.replay.escapes else "outside"
+            if not steps and hooks is None:
                 raise
         run.pending.clear()
-        cache.run_as_themselves(entry, plan, config, steps)
+        if hooks == "in graph":
+            cache.keep_hooks_in_graph(entry, plan, config)
+        elif hooks == "outside":
+            cache.move_hooks_outside(entry, plan, config, "compiling its traced hooks failed")
+            args = (*args[:2], hook_arguments(plan.hook_dicts(), in_graph=False))
+        else:
+            cache.run_as_themselves(entry, plan, config, steps)
 
 
 def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...] | None:
@@ -307,7 +319,12 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
         and not config.fullgraph
         and _graphs_compiled() > graphs
     ):
-        cache.move_hooks_outside(entry, plan, config)
+        cache.move_hooks_outside(
+            entry,
+            plan,
+            config,
+            "it recompiled on a cache hit: its Python hooks touch state Dynamo guards on",
+        )
     if not plan.keep_graph:
         plan.release_variables()
     return () if plan.accumulate_grad else tuple(captured)

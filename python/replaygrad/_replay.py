@@ -15,6 +15,7 @@ steps, a long chain) is split into regions with the same source, compiled once.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import threading
@@ -55,6 +56,9 @@ class running:
         #: The latest step seen running (outside compiled code, or a region's start): the
         #: steps before it ran, and the engine would have released their saved variables.
         self.reached = 0
+        #: The steps where the replay runs something outside the graph (see
+        #: :func:`outside_steps`).
+        self.breaks: Sequence[int] = ()
 
     def __enter__(self) -> running:
         self.prior = getattr(_tls, "run", None)
@@ -198,44 +202,74 @@ def traced_step(error: BaseException) -> int | None:
     return getattr(raised, "__replaygrad_traced_step__", None) if raised is not None else None
 
 
-def _flush(deferred: list) -> None:
-    """Performs the deferred effects the replay has reached (accumulations, retain_grads)
-    before code that may observe them (``.grad`` in a hook or an opaque node) runs, which
-    makes the call no longer restartable."""
+def _leave_graph(deferred: list, step: int) -> int:
+    """Before code outside the graph runs at the region's ``step`` (a hook, a node run as
+    itself), what the engine has done by then is done: the deferred effects reached are
+    performed (accumulations, retain_grads: the code may read ``.grad``) and, without
+    retain_graph, the saved variables of the nodes that ran are released (it may reach
+    them, e.g. ``grad_fn._saved_self``, or a backward through them, which raises as in
+    eager). The call can no longer start over. Returns the plan's step."""
     run = _running()
     run.restartable = False
+    plan_step = _step(step)
     for values in (run.pending, deferred):
         if values:
             run.plan.run_deferred(values, complete=False)
+    if not run.plan.keep_graph:
+        run.plan.release_variables(plan_step)
+    return plan_step
+
+
+def _check_saved(step: int, own: bool) -> None:
+    """After something ran outside the graph at ``step`` (a hook, a node run as itself):
+    raises what the engine would if it modified in place a value saved by a traced step
+    that runs before the next such thing (``own``: from this step on, else from the next).
+
+    The replay's saved values were unpacked, and version-checked, when the call was planned;
+    the engine unpacks them when each node runs. Only code outside the graph can modify them
+    in between (e.g. an optimizer step in a post-accumulate-grad hook, on a parameter also
+    used detached); each saved value is checked once, after the last such code before it.
+    """
+    run = _running()
+    i = bisect.bisect_right(run.breaks, step)
+    last = run.breaks[i] if i < len(run.breaks) else run.plan.num_steps
+    run.plan.check_saved_versions(step if own else step + 1, last)
 
 
 @torch._dynamo.disable
 def apply_opaque(deferred: list, step: int, inputs: list) -> tuple:
     """An opaque step: a graph break that runs the current graph's node as itself."""
-    _flush(deferred)
-    return current_plan().apply(_step(step), inputs)
+    plan_step = _leave_graph(deferred, step)
+    outputs = current_plan().apply(plan_step, inputs)
+    _check_saved(plan_step, own=False)
+    return outputs
 
 
 @torch._dynamo.disable
 def apply_accumulate(deferred: list, step: int, inputs: list, take: bool) -> tuple:
     """An AccumulateGrad run in place (hooks observe it), handed its gradient so that it can
     steal it as in the engine; ``take``: no post hook needs ``inputs`` afterwards."""
-    _flush(deferred)
-    current_plan().accumulate(_step(step), inputs, take)
+    plan_step = _leave_graph(deferred, step)
+    current_plan().accumulate(plan_step, inputs, take)
+    _check_saved(plan_step, own=False)  # post-accumulate-grad hooks ran
     return ()
 
 
 @torch._dynamo.disable
 def cpp_pre_hook(deferred: list, step: int, position: int, values: list) -> list:
     """A C++ pre-kind hook (no Python dict to trace): a graph break through the engine API."""
-    _flush(deferred)
-    return list(current_plan().call_hook(_step(step), position, values))
+    plan_step = _leave_graph(deferred, step)
+    values = list(current_plan().call_hook(plan_step, position, values))
+    _check_saved(plan_step, own=True)
+    return values
 
 
 @torch._dynamo.disable
 def cpp_post_hook(deferred: list, step: int, position: int, outputs: tuple, inputs: list) -> tuple:
-    _flush(deferred)
-    return current_plan().call_hook(_step(step), position, outputs, inputs)
+    plan_step = _leave_graph(deferred, step)
+    outputs = current_plan().call_hook(plan_step, position, outputs, inputs)
+    _check_saved(plan_step, own=False)
+    return outputs
 
 
 # ---- Python hooks, as torch/csrc/autograd/python_hook.cpp calls them ----------------------
@@ -289,7 +323,7 @@ def _check_result(original: tuple, result: Any, fn: object) -> None:
         _check_single_result(o, r, fn)
 
 
-def tensor_pre_hook(fns: Iterable[Callable], value: Any) -> Any:
+def _tensor_pre_hooks(fns: Iterable[Callable], value: Any) -> Any:
     """PyFunctionTensorPreHook: each hook sees the gradient of one input and may replace it."""
     for fn in fns:
         result = fn(value)
@@ -300,7 +334,7 @@ def tensor_pre_hook(fns: Iterable[Callable], value: Any) -> Any:
     return value
 
 
-def pre_hook(fns: Iterable[Callable], inputs: list) -> list:
+def _pre_hooks(fns: Iterable[Callable], inputs: list) -> list:
     """PyFunctionPreHook (grad_fn.register_prehook): hooks see and may replace all inputs."""
     values = tuple(inputs)
     for fn in fns:
@@ -312,7 +346,7 @@ def pre_hook(fns: Iterable[Callable], inputs: list) -> list:
     return list(values)
 
 
-def post_hook(fns: Iterable[Callable], outputs: tuple, inputs: list) -> tuple:
+def _post_hooks(fns: Iterable[Callable], outputs: tuple, inputs: list) -> tuple:
     """PyFunctionPostHook (grad_fn.register_hook): hook(grad_inputs, grad_outputs)."""
     values = tuple(outputs)
     grad_outputs = tuple(inputs)
@@ -333,17 +367,19 @@ def _live(fns: dict) -> list[Callable]:
     return list(fns.values())
 
 
-def _outside(hook: Callable[..., Any]) -> Callable[..., Any]:
+def _outside(hook: Callable[..., Any], own: bool, live: Callable[[Any], list]) -> Callable:
     """``hook`` outside the graph (a graph break: Dynamo neither traces it nor guards on
-    what it touches), seeing the effects of the steps before it as in the engine, and
-    the hook's dict as it is now (see :func:`hook_arguments`)."""
+    what it touches), seeing the effects of the steps before it as in the engine, and the
+    callables ``live(fns)`` (see :func:`hook_arguments`). ``own``: it runs before the step's
+    node (see :func:`_check_saved`)."""
 
     @torch._dynamo.disable
     @functools.wraps(hook)
-    def call(deferred: list, step: int, fns: HookDict, *args: Any) -> Any:
-        _flush(deferred)
-        _step(step)
-        return hook(_live(fns.dict), *args)
+    def call(deferred: list, step: int, fns: Any, *args: Any) -> Any:
+        plan_step = _leave_graph(deferred, step)
+        result = hook(live(fns), *args)
+        _check_saved(plan_step, own)
+        return result
 
     return call
 
@@ -373,9 +409,67 @@ def hook_arguments(dicts: list[dict], in_graph: bool) -> list:
     return [HookDict(d) for d in dicts]
 
 
-tensor_pre_hook_outside = _outside(tensor_pre_hook)
-pre_hook_outside = _outside(pre_hook)
-post_hook_outside = _outside(post_hook)
+def _hook_dict_values(fns: HookDict) -> list[Callable]:
+    return _live(fns.dict)
+
+
+tensor_pre_hook_outside = _outside(_tensor_pre_hooks, True, _hook_dict_values)
+pre_hook_outside = _outside(_pre_hooks, True, _hook_dict_values)
+post_hook_outside = _outside(_post_hooks, False, _hook_dict_values)
+# Traced hooks that leave the graph (see _overlapping): their callables are a list already.
+_tensor_pre_hook_escaped = _outside(_tensor_pre_hooks, True, list)
+_pre_hook_escaped = _outside(_pre_hooks, True, list)
+_post_hook_escaped = _outside(_post_hooks, False, list)
+
+
+def _overlapping(values: Iterable[Any]) -> bool:
+    """Whether a gradient handed to a hook has elements that share memory (stride 0 over a
+    size above 1: an expanded gradient, e.g. ``sum()``'s). In eager, in-place ops on such a
+    tensor raise (``mul_``) or write every alias (``zero_``); compiled, they are neither
+    checked nor replayed right (functionalization writes one alias into the others). So a
+    traced hook that gets one runs outside the graph, on the real tensor. Decided while
+    tracing, on the fake tensors' strides."""
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.layout == torch.strided:
+            for size, stride in zip(v.shape, v.stride()):
+                if stride == 0 and size > 1:
+                    return True
+    return False
+
+
+def tensor_pre_hook_in_graph(deferred: list, step: int, fns: list, value: Any) -> Any:
+    """A Python tensor pre-hook traced into the graph, whatever its gradient (for compilers
+    that allow no graph break, e.g. ``fullgraph=True``)."""
+    return _tensor_pre_hooks(fns, value)
+
+
+def pre_hook_in_graph(deferred: list, step: int, fns: list, inputs: list) -> list:
+    return _pre_hooks(fns, inputs)
+
+
+def post_hook_in_graph(deferred: list, step: int, fns: list, outputs: tuple, inputs: list) -> tuple:
+    return _post_hooks(fns, outputs, inputs)
+
+
+def tensor_pre_hook(deferred: list, step: int, fns: list, value: Any) -> Any:
+    """A Python tensor pre-hook traced into the graph (see :func:`_overlapping`)."""
+    if _overlapping((value,)):
+        return _tensor_pre_hook_escaped(deferred, step, fns, value)
+    return _tensor_pre_hooks(fns, value)
+
+
+def pre_hook(deferred: list, step: int, fns: list, inputs: list) -> list:
+    """A Python pre-hook traced into the graph (see :func:`_overlapping`)."""
+    if _overlapping(inputs):
+        return _pre_hook_escaped(deferred, step, fns, inputs)
+    return _pre_hooks(fns, inputs)
+
+
+def post_hook(deferred: list, step: int, fns: list, outputs: tuple, inputs: list) -> tuple:
+    """A Python post-hook traced into the graph (see :func:`_overlapping`)."""
+    if _overlapping(outputs) or _overlapping(inputs):
+        return _post_hook_escaped(deferred, step, fns, outputs, inputs)
+    return _post_hooks(fns, outputs, inputs)
 
 
 # ---- input buffers -----------------------------------------------------------------------
@@ -439,6 +533,11 @@ class Replay:
     #: Python hooks are traced into the compiled regions.
     hooks_in_graph: bool
     source: str
+    #: The steps where something runs outside the graph (see :func:`outside_steps`).
+    breaks: tuple[int, ...] = ()
+    #: Traced hooks given a gradient with overlapping memory leave the graph (see
+    #: :func:`_overlapping`); False for compilers that allow no graph break.
+    escapes: bool = True
 
 
 _RUNTIME = {
@@ -450,6 +549,9 @@ _RUNTIME = {
     "tensor_pre_hook": tensor_pre_hook,
     "pre_hook": pre_hook,
     "post_hook": post_hook,
+    "tensor_pre_hook_in_graph": tensor_pre_hook_in_graph,
+    "pre_hook_in_graph": pre_hook_in_graph,
+    "post_hook_in_graph": post_hook_in_graph,
     "tensor_pre_hook_outside": tensor_pre_hook_outside,
     "pre_hook_outside": pre_hook_outside,
     "post_hook_outside": post_hook_outside,
@@ -466,6 +568,7 @@ def generate_source(
     """The replay source of ``plan``: the driver, then its regions (see :func:`regions`)."""
     steps = plan.steps()
     saved = plan.saved_values() if region_size is not None else ()
+    opaque = opaque | sparse_gradient_steps(plan, steps)
     found = regions(plan, steps, hooks_in_graph, opaque, region_size, saved)
     return _replay_source(found, _driver_source(steps, found, plan.num_captures, hooks_in_graph))
 
@@ -503,6 +606,7 @@ def regions(
     opaque: frozenset[int] = frozenset(),
     region_size: int | None = None,
     saved: Sequence[Any] = (),
+    escapes: bool = True,
 ) -> tuple[Region, ...]:
     """Splits ``plan`` into regions of about ``region_size`` steps (see :func:`_cuts`; one
     region if None) and generates their source.
@@ -512,7 +616,6 @@ def regions(
     has ``region_size`` steps, so that in a graph of repeated structure the regions repeat
     too. ``saved`` (the plan's saved values, when known) adds their metadata to the keys.
     """
-    opaque = opaque | sparse_gradient_steps(plan, steps)
     digests = plan.step_digests()
     # Per step: what the node is, whatever step it is (type, input metadata, specialisation).
     what = [(step[0], step[1], digests[24 * s + 8 : 24 * s + 24]) for s, step in enumerate(steps)]
@@ -522,7 +625,7 @@ def regions(
     python_hooks = 0
     for start, end in pairwise(cuts):
         source, incoming, exports, captures, used = _region_source(
-            steps, start, end, effects, hooks_in_graph, opaque, python_hooks
+            steps, start, end, effects, hooks_in_graph, opaque, python_hooks, escapes
         )
         a, b = (steps[start][6], steps[end - 1][7]) if end > start else (0, 0)
         identity = [
@@ -558,6 +661,26 @@ def _meta(value: Any) -> Any:
     return type(value)
 
 
+def outside_steps(steps: list, hooks_in_graph: bool, opaque: frozenset[int]) -> tuple[int, ...]:
+    """The steps where the replay runs something outside the graph (a node run as itself, an
+    AccumulateGrad run in place, a C++ hook, a Python hook when hooks are not traced), in
+    order: the points after which saved values may have been modified."""
+    out = []
+    for s, step in enumerate(steps):
+        mode, hooks = step[2], step[10]
+        if (
+            mode in ("opaque", "eager_accumulate")
+            or (mode == "traced" and s in opaque)
+            or any(
+                not python or not hooks_in_graph
+                for kind, _, python, _ in hooks
+                if kind != "retains_grad"
+            )
+        ):
+            out.append(s)
+    return tuple(out)
+
+
 def _cuts(what: list, size: int | None) -> list[int]:
     """Region boundaries for graphs of more than three regions' worth of steps (smaller
     ones compile as fast whole, and run faster): a cut before a step like the most common
@@ -585,6 +708,7 @@ def _region_source(
     hooks_in_graph: bool,
     opaque: frozenset[int],
     hook_base: int,
+    escapes: bool = True,
 ) -> tuple[str, tuple, tuple, tuple, int]:
     """Straight-line source for ``region(inc, saved, hooks, deferred)``, one block per step
     as engine.cpp runs it, and its interface: the incoming and exported input buffers (as
@@ -602,8 +726,10 @@ def _region_source(
     ``hooks_in_graph=False`` calls Python hooks outside the graph (``*_outside``: graph
     breaks under Dynamo), after the deferred effects before them, as everything else that
     runs outside the graph does. Traced steps in ``opaque`` run as opaque ones.
+    ``escapes=False`` keeps traced hooks in the graph whatever their gradients (see
+    :func:`_overlapping`).
     """
-    where = "" if hooks_in_graph else "_outside"
+    where = ("" if escapes else "_in_graph") if hooks_in_graph else "_outside"
     incoming: dict[tuple[int, int], int] = {}
     captures: list[int] = []
 
@@ -647,7 +773,7 @@ def _region_source(
     for s in range(start, end):
         name, _kind, mode, _seq, _inputs, _outputs, a, b, slots, _targets, hooks, caps = steps[s]
         k = s - start
-        arg = "" if hooks_in_graph else f"deferred, {k}, "
+        arg = f"deferred, {k}, "
         body.append(f"# step {k}: {name} ({mode})")
         body.append(f"i = [{', '.join(buffer(s, slot) for slot in range(len(slots)))}]")
         capture_lines = []
@@ -792,11 +918,13 @@ def build(
     opaque: frozenset[int] = frozenset(),
     region_size: int | None = None,
     saved: Sequence[Any] = (),
+    escapes: bool = True,
 ) -> Replay:
     """Generates the replay of ``plan``, each region's function compiled by
     ``compile_region(region, fn)``."""
     steps = plan.steps()
-    found = regions(plan, steps, hooks_in_graph, opaque, region_size, saved)
+    opaque = opaque | sparse_gradient_steps(plan, steps)
+    found = regions(plan, steps, hooks_in_graph, opaque, region_size, saved, escapes)
     namespace: dict[str, Any] = {"at": at, "buffer_sum": buffer_sum}
     for r, g in enumerate(found):
         scope: dict[str, Any] = dict(_RUNTIME)
@@ -804,4 +932,11 @@ def build(
         namespace[f"R{r}"] = compile_region(g, scope["region"])
     driver = _driver_source(steps, found, plan.num_captures, hooks_in_graph)
     exec(compile(driver, f"<replaygrad replay {plan.key[:12]}>", "exec"), namespace)
-    return Replay(namespace["replay"], found, hooks_in_graph, _replay_source(found, driver))
+    return Replay(
+        namespace["replay"],
+        found,
+        hooks_in_graph,
+        _replay_source(found, driver),
+        outside_steps(steps, hooks_in_graph, opaque),
+        escapes,
+    )
