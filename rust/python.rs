@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use pyo3::exceptions::{PyRuntimeError, PyTypeError};
+use pyo3::exceptions::{PyIndexError, PyRuntimeError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 use tch::Tensor;
@@ -417,6 +417,18 @@ impl PyPlan {
         self.plan
             .run_deferred(start..end, &mut |_| Ok(taken.next().flatten()))?;
         Ok(())
+    }
+
+    /// The kind of a step's node (as in `steps()`: generic, accumulate_grad,
+    /// python_function, cpp_function).
+    fn kind(&self, step: u32) -> PyResult<&'static str> {
+        let node = *self
+            .plan
+            .schedule
+            .steps
+            .get(step as usize)
+            .ok_or_else(|| PyIndexError::new_err(format!("no step {step}")))?;
+        Ok(kind_name(self.plan.snapshot.graph.nodes[node as usize].kind))
     }
 
     /// Raises what the node would (RuntimeError: "... modified by an inplace operation") if

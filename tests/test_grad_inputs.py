@@ -119,3 +119,18 @@ def test_grad_keeps_saved_values_of_nodes_it_did_not_run(compiler):
     torch.testing.assert_close(got, c.exp())
     with pytest.raises(RuntimeError, match="second time"):
         replaygrad.grad(z, [a], compiler=compiler)
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_undefined_gradient_through_attention(compiler):
+    # No gradient reaches the attention (UndefinedGrad, as gradcheck's undefined-grad check
+    # does): flash attention's backward returns none through its kernel's check, while its
+    # fake implementation makes tensors; traced as such, the compiled graph failed on None.
+    torch.manual_seed(0)
+    attention = torch.nn.MultiheadAttention(4, 2).double()
+    x = torch.randn(2, 3, 4, dtype=torch.double, requires_grad=True)
+    out = torch._C._functions.UndefinedGrad()(attention(x, x, x, need_weights=False)[0])
+    args = ([out], [x, *attention.parameters()], [torch.zeros_like(out)])
+    expected = torch.autograd.grad(*args, allow_unused=True, retain_graph=True)
+    got = replaygrad.grad(*args, allow_unused=True, compiler=compiler)
+    assert expected == got == (None,) * len(args[1])

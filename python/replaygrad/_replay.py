@@ -132,6 +132,12 @@ def apply_traced(step: int, inputs: list, saved: list) -> tuple:
     first = next((o for o in outputs if o is not None), None)
     if isinstance(first, FakeTensor):
         _note_layouts(step, inputs, saved, outputs)
+        if all(i is None for i in inputs) and run.plan.kind(plan_step) == "generic":
+            # No gradient arrived: torch's nodes then return none, some only through their
+            # kernel's check (flash attention's backward), whose fake implementation makes
+            # tensors anyway; traced as such, the compiled graph would use tensors that
+            # are undefined at run time. (A Python Function may materialize zeros.)
+            return (None,) * len(outputs)
     return outputs
 
 
