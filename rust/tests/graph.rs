@@ -382,3 +382,26 @@ fn nodes_with_sparse_gradients_run_opaque() {
         ]
     );
 }
+
+#[test]
+fn saved_values_modified_in_place_after_planning_are_reported() {
+    let a = leaf(&[1.0, 2.0]);
+    let s = Tensor::from_slice(&[3.0f32, 4.0]);
+    let y = (&a * &s).sum(Kind::Float); // MulBackward0 saves s
+    let plan = plan_of(&[&y]);
+    let last = plan.num_steps() as u32;
+    plan.check_saved_versions(0, last).expect("nothing modified yet");
+    let _ = s.shallow_clone().g_add_scalar_(1.0);
+    let err = plan.check_saved_versions(0, last).unwrap_err();
+    match err {
+        ShimError::Torch { kind, message } => {
+            assert_eq!(kind, ErrorKind::Runtime);
+            assert!(message.contains("modified by an inplace operation"), "{message}");
+            // The message names tensors as torch's Python bindings do.
+            assert!(message.contains("torch.FloatTensor"), "{message}");
+        }
+        other => panic!("expected a torch error, got {other:?}"),
+    }
+    // Steps after the one that saved it are not affected.
+    plan.check_saved_versions(2, last).expect("no saved values there");
+}
