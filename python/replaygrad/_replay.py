@@ -621,6 +621,7 @@ def regions(
     before a step like the most common one (same node type and key parts) once a region
     has ``region_size`` steps, so that in a graph of repeated structure the regions repeat
     too. ``saved`` (the plan's saved values, when known) adds their metadata to the keys.
+    ``opaque`` and ``escapes``: see :func:`_region_source`.
     """
     digests = plan.step_digests()
     # Per step: what the node is, whatever step it is (type, input metadata, specialisation).
