@@ -437,12 +437,16 @@ impl PyPlan {
         Ok(self.plan.check_saved_versions(first, last)?)
     }
 
-    /// Frees the saved variables of the nodes that ran (backward without retain_graph): of
-    /// every one, or of those before step `before` (those that ran before an error, or
-    /// before code outside the graph runs, which could reach them). Goes on from the steps
-    /// released before.
+    /// Frees the saved variables of the nodes that ran, as the engine does unless the call
+    /// keeps its graph (retain_graph, or a plan made outside a backward call: then nothing
+    /// is freed): of every one, or of those before step `before` (those that ran before an
+    /// error, or before code outside the graph runs, which could reach them). Goes on from
+    /// the steps released before.
     #[pyo3(signature = (before=None))]
     fn release_variables(&self, before: Option<usize>) -> PyResult<()> {
+        if self.keep_graph() {
+            return Ok(());
+        }
         let start = self.released.load(Ordering::Relaxed);
         let end = before.unwrap_or(usize::MAX).min(self.plan.num_steps());
         if start < end {

@@ -272,8 +272,7 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
             # and released the saved variables of the nodes before it.
             del saved
             plan.run_deferred(deferred, complete=False)
-            if not plan.keep_graph:
-                plan.release_variables(run.reached)
+            plan.release_variables(run.reached)
             if raised is not None and raised is not error:
                 raise raised.with_traceback(raised.__traceback__) from None
             raise
@@ -325,6 +324,5 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
             config,
             "it recompiled on a cache hit: its Python hooks touch state Dynamo guards on",
         )
-    if not plan.keep_graph:
-        plan.release_variables()
+    plan.release_variables()
     return () if plan.accumulate_grad else tuple(captured)

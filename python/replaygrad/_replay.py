@@ -221,8 +221,7 @@ def _leave_graph(deferred: list, step: int) -> int:
     for values in (run.pending, deferred):
         if values:
             run.plan.run_deferred(values, complete=False)
-    if not run.plan.keep_graph:
-        run.plan.release_variables(plan_step)
+    run.plan.release_variables(plan_step)
     return plan_step
 
 
