@@ -20,6 +20,9 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/dynamo/compiled_autograd.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/csrc/utils/torch_dispatch_mode.h>
 
 #include <ATen/SavedTensorHooks.h>
 
@@ -40,7 +43,11 @@ using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 using torch::dynamo::autograd::AutogradCompilerCall;
 using torch::dynamo::autograd::CompiledNodeArgs;
+using torch::dynamo::autograd::PyCompilerGuard;
+using torch::dynamo::autograd::PyCompilerInterface;
 using torch::dynamo::autograd::SizeInput;
+using torch::dynamo::autograd::SwapSavedVariables;
+using torch::dynamo::autograd::TraceState;
 using torch::dynamo::autograd::TensorArg;
 using torch::dynamo::autograd::TensorArgs;
 
@@ -139,6 +146,7 @@ void write_list(variable_list&& list, rg_tensor** out) {
 // export no typeinfo from libtorch_python, so dynamic_cast cannot reach them.
 constexpr const char* kPyNode = "N5torch8autograd6PyNodeE";
 constexpr const char* kCppNodePrefix = "N5torch8autograd7CppNodeI";
+constexpr const char* kGeneratedPrefix = "N5torch8autograd9generated";
 constexpr const char* kPyTensorPreHook = "N5torch8autograd23PyFunctionTensorPreHookE";
 constexpr const char* kPyPreHook = "N5torch8autograd17PyFunctionPreHookE";
 constexpr const char* kPyPostHook = "N5torch8autograd18PyFunctionPostHookE";
@@ -427,6 +435,113 @@ const EngineCall& engine_call(PyObject* capsule) {
   }
   return *static_cast<const EngineCall*>(ptr);
 }
+
+// Deterministic slot order of a visited node's saved variables: by TensorArg id (ids follow
+// the collection order; equal ids mean the same tensor, so their relative order is moot).
+using SlotOrder = std::vector<std::pair<std::pair<uint32_t, uintptr_t>, const SavedVariable*>>;
+void ordered_slots(const SavedVariableMap& unpacked, SlotOrder& out) {
+  out.clear();
+  for (const auto& [sv, arg] : unpacked) {
+    out.push_back({{arg->id, reinterpret_cast<uintptr_t>(sv)}, sv});
+  }
+  std::sort(out.begin(), out.end());
+}
+
+// Appends the shapes node's outputs are validated against (the input metadata its valid
+// edges point at), in the order SwapSavedVariables::before(Edge&) swaps them. False for
+// nested tensors (whose metadata has no plain shape).
+bool edge_dims(const Node& node, std::vector<int64_t>& out) {
+  for (const Edge& edge : node.next_edges()) {
+    if (!edge.is_valid()) {
+      continue;
+    }
+    const auto& m = edge.function->input_metadata(edge.input_nr);
+    if (m.is_nested_tensor() || m.is_cpp_nested_tensor()) {
+      return false;
+    }
+    for (const auto& d : m.shape_as_dim_vector()) {
+      out.push_back(d.guard_int(__FILE__, __LINE__));
+    }
+  }
+  return true;
+}
+
+// Stands in for torch's compiled-autograd compiler while a generated node runs through its
+// apply_with_saved: between swapping its state in and back, that method hands the work to
+// call_function, which runs the node's own apply() on the swapped state. An error from the
+// node is kept and rethrown by the caller once apply_with_saved has swapped everything back
+// (it does not undo its swaps on an exception).
+class LiftedApply : public PyCompilerInterface {
+ public:
+  explicit LiftedApply(Node& node) : node_(node) {}
+
+  std::string bind_function(PyObject* /*py_compiler*/, const std::string& fn_name,
+                            torch::dynamo::autograd::functional_apply_t fn,
+                            std::vector<at::TypePtr> schema, bool is_custom_function,
+                            bool is_traceable) const override {
+    // Each node type binds its functional form once per process, with whichever compiler is
+    // active: register it where torch's compiled autograd looks it up, as torch's own
+    // compiler interface does, so that it keeps working after replaygrad ran this type.
+    auto wrapped = py::cpp_function([schema = std::move(schema), fn = std::move(fn)](
+                                        std::vector<std::optional<at::Tensor>>& grads,
+                                        const py::args& args) -> py::object {
+      TORCH_CHECK(args.size() == schema.size(), "replaygrad: wrong number of packed arguments");
+      std::vector<at::IValue> values;
+      values.reserve(args.size());
+      for (size_t i = 0; i < schema.size(); ++i) {
+        if (schema[i]->isSubtypeOf(*at::ListType::ofTensors())) {
+          auto tensors = py::cast<std::vector<std::optional<at::Tensor>>>(args[i]);
+          variable_list list;
+          for (auto& t : tensors) {
+            list.push_back(t.has_value() ? *t : at::Tensor());
+          }
+          values.emplace_back(std::move(list));
+        } else {
+          values.emplace_back(torch::jit::toIValue(args[i], schema[i], std::nullopt));
+        }
+      }
+      variable_list inputs;
+      for (auto& g : grads) {
+        inputs.push_back(g.has_value() ? *g : at::Tensor());
+      }
+      return torch::jit::toPyObject(at::IValue(fn(inputs, values)));
+    });
+    // Best effort: an error here would leave the node's state swapped (apply_with_saved
+    // calls this between its swaps), and only torch's compiled autograd needs it.
+    try {
+      py::object ops = py::module_::import("torch._dynamo.compiled_autograd").attr("ops");
+      ops.attr("add")(fn_name, wrapped, is_custom_function, is_traceable);
+    } catch (const py::error_already_set&) {
+      PyErr_Clear();
+    } catch (const std::exception&) {
+    }
+    return fn_name;
+  }
+
+  variable_list call_function(PyObject* /*py_compiler*/, const char* method_name,
+                              const std::string& /*fn_name*/, const variable_list& inputs,
+                              const torch::dynamo::autograd::ivalue_list& /*packed_args*/,
+                              const c10::IValue& /*output_metadata*/) const override {
+    TORCH_CHECK(std::strcmp(method_name, "apply_functional") == 0,
+                "replaygrad: unexpected compiled-autograd call ", method_name);
+    try {
+      return node_(variable_list(inputs));
+    } catch (...) {
+      error_ = std::current_exception();
+      return {};
+    }
+  }
+
+  void rethrow() const {
+    if (error_) {
+      std::rethrow_exception(error_);
+    }
+  }
+
+ private:
+  Node& node_;
+  mutable std::exception_ptr error_;
+};
 
 } // namespace
 
@@ -837,10 +952,11 @@ static at::Tensor detached_value(const at::Tensor& unpacked) {
 
 rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t* n_saved,
                              const uint8_t** key, size_t* key_len, const int64_t** sizes,
-                             size_t* n_sizes) {
+                             size_t* n_sizes, int* lifted) {
   RG_TRY
   *supported = 1;
   *n_saved = 0;
+  *lifted = 0;
   c->key.clear();
   c->sizes.clear();
   Node& node = *as_node(n);
@@ -849,6 +965,7 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
   reset_tensor_args(compiler.tensor_args);
   compiler.sv_to_hooks.clear();
   size_t sizes_before = compiler.all_size_inputs.size();
+  size_t ivalues_before = compiler.lifted_ivalue_args.args.size();
 
   auto node_ptr = node.getptr();
   // One node at a time: the previous node's call is not needed any more, and a map of all
@@ -892,18 +1009,23 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
       !append_ctx_state(static_cast<torch::autograd::PyNode&>(node).pyobj(), c->key)) {
     return opaque();
   }
+  // A generated node's sizes can be lifted (see rg_node_apply_lifted): then the sizes are
+  // the shapes its outputs are validated against, followed by the node's own.
+  if (compiler.lifted_ivalue_args.args.size() == ivalues_before &&
+      std::strncmp(typeid(node).name(), kGeneratedPrefix, std::strlen(kGeneratedPrefix)) == 0 &&
+      edge_dims(node, c->sizes)) {
+    *lifted = 1;
+  } else {
+    c->sizes.clear();
+  }
+  auto& ivalues = compiler.lifted_ivalue_args.args;
+  ivalues.erase(ivalues.begin() + static_cast<std::ptrdiff_t>(ivalues_before), ivalues.end());
   for (size_t i = sizes_before; i < compiler.all_size_inputs.size(); ++i) {
     c->sizes.push_back(compiler.all_size_inputs[i].value);
   }
 
-  // Deterministic slot order: by TensorArg id (ids follow the collection order; equal ids
-  // mean the same tensor, so their relative order is moot).
   auto& plain = c->order;
-  plain.clear();
-  for (const auto& [sv, arg] : unpacked) {
-    plain.push_back({{arg->id, reinterpret_cast<uintptr_t>(sv)}, sv});
-  }
-  std::sort(plain.begin(), plain.end());
+  ordered_slots(unpacked, plain);
   for (const auto& [order, sv] : plain) {
     const TensorArg* arg = unpacked.at(sv);
     at::Tensor value;
@@ -1006,6 +1128,82 @@ rg_status rg_node_apply(rg_node* n, const rg_tensor* const* inputs, size_t n_inp
   }
   if (outputs.size() > cap) {
     return fail(RG_KIND_RUNTIME, "rg_node_apply: node returned more outputs than it has edges");
+  }
+  *n_out = outputs.size();
+  write_list(std::move(outputs), out);
+  RG_CATCH
+}
+
+rg_status rg_node_apply_lifted(rg_node* n, const rg_tensor* const* inputs, size_t n_inputs,
+                               const rg_tensor* const* saved, size_t n_saved, PyObject* sizes,
+                               rg_tensor** out, size_t cap, size_t* n_out) {
+  RG_TRY
+  Node& node = *as_node(n);
+  *n_out = 0;
+  // The node's state as compiled_args describes it: its saved variables (mapped to the given
+  // values in slot order) and its size inputs.
+  AutogradCompilerCall compiler{SizeInput::STATIC};
+  auto& node_call = compiler.node_calls.lookup(node.getptr());
+  CompiledNodeArgs args(compiler, node_call);
+  {
+    // compiled_args unpacks the node's real saved values: not for the tracer's modes.
+    torch::torch_dispatch_mode::StashTorchDispatchStackGuard no_modes;
+    node.compiled_args(args);
+  }
+  SavedVariableMap& unpacked = saved_variable_map(compiler.tensor_args);
+  SlotOrder slots;
+  ordered_slots(unpacked, slots);
+  if (slots.size() != n_saved || !compiler.sv_to_hooks.empty() ||
+      !compiler.lifted_ivalue_args.args.empty()) {
+    return fail(RG_KIND_RUNTIME, "rg_node_apply_lifted: the node's state is not the planned one");
+  }
+  for (size_t i = 0; i < n_saved; ++i) {
+    TensorArg* arg = unpacked.at(slots[i].second);
+    if (arg->defined()) {
+      if (!saved[i]) {
+        return fail(RG_KIND_RUNTIME, "rg_node_apply_lifted: a saved value is missing");
+      }
+      arg->proxy_tensor = as_tensor(saved[i]);
+    }
+  }
+  std::vector<std::optional<c10::SymInt>> symbolic;
+  {
+    py::handle list(sizes);
+    for (const auto& item : list) {
+      symbolic.emplace_back(py::cast<c10::SymInt>(item));
+    }
+  }
+  std::vector<int64_t> dims;
+  if (!edge_dims(node, dims) ||
+      symbolic.size() != dims.size() + compiler.all_size_inputs.size()) {
+    return fail(RG_KIND_RUNTIME, "rg_node_apply_lifted: wrong number of sizes");
+  }
+  TraceState state(std::move(symbolic), node.num_outputs());
+  SwapSavedVariables swap(compiler, state, nullptr, node_call);
+  auto& edges = const_cast<edge_list&>(node.next_edges());
+  auto interface = std::make_unique<LiftedApply>(node);
+  const LiftedApply& apply = *interface;
+  variable_list outputs;
+  {
+    PyCompilerGuard guard(std::move(interface));
+    // The shapes outputs are validated against, swapped back at the end of the scope.
+    swap.before(edges);
+    struct Restore {
+      SwapSavedVariables& swap;
+      edge_list& edges;
+      ~Restore() {
+        swap.after(edges);
+      }
+    } restore{swap, edges};
+    at::AutoGradMode grad_mode(false);
+    outputs = node.apply_with_saved(to_list(inputs, n_inputs), swap);
+    apply.rethrow();
+    torch::autograd::validate_outputs(edges, outputs, [&](const std::string& msg) {
+      return "Function " + node.name() + " returned an " + msg;
+    });
+  }
+  if (outputs.size() > cap) {
+    return fail(RG_KIND_RUNTIME, "rg_node_apply_lifted: node returned more outputs than it has edges");
   }
   *n_out = outputs.size();
   write_list(std::move(outputs), out);

@@ -138,10 +138,13 @@ void rg_collector_free(rg_collector* c);
 // order: collection order of their tensors, hooked ones last) and its unpacked value to the
 // collector. Outputs the number appended, the node's specialisation bytes and size inputs
 // (valid until the next call). *supported is 0 when the node does not implement
-// compiled_args (nothing is appended then).
+// compiled_args (nothing is appended then). *lifted is 1 when the sizes can be given to
+// rg_node_apply_lifted instead of the node's own (one of torch's generated nodes): then the
+// sizes are the dims of the input metadata its valid edges point at (what its outputs are
+// validated against), followed by its own size inputs.
 rg_status rg_collector_visit(rg_collector* c, rg_node* node, int* supported, size_t* n_saved,
                              const uint8_t** key, size_t* key_len, const int64_t** sizes,
-                             size_t* n_sizes);
+                             size_t* n_sizes, int* lifted);
 size_t rg_collector_len(const rg_collector* c);
 // The SavedVariables' addresses (borrowed), slot by slot: writes n = rg_collector_len(c).
 rg_status rg_collector_saved_variables(const rg_collector* c, const rg_sv** out, size_t n);
@@ -167,6 +170,14 @@ rg_status rg_collector_values_to_list(const rg_collector* c, PyObject** out);
 rg_status rg_node_apply(rg_node* node, const rg_tensor* const* inputs, size_t n_inputs,
                         const rg_sv* const* svs, const rg_tensor* const* saved, size_t n_saved,
                         rg_tensor** out, size_t cap, size_t* n_out);
+// rg_node_apply for a node whose sizes are lifted (see rg_collector_visit), with its saved
+// values (in slot order, as planned) and sizes replaced by the given ones while it runs:
+// `sizes` is a Python sequence of int or torch.SymInt, one per planned size. Runs the node
+// through apply_with_saved, so that symbolic sizes (a compiler tracing with dynamic shapes)
+// reach its formula instead of the sizes it keeps. Needs the GIL.
+rg_status rg_node_apply_lifted(rg_node* node, const rg_tensor* const* inputs, size_t n_inputs,
+                               const rg_tensor* const* saved, size_t n_saved, PyObject* sizes,
+                               rg_tensor** out, size_t cap, size_t* n_out);
 // Runs an AccumulateGrad node on `grad`, which it takes over: the handle is left undefined,
 // so that AccumulateGrad can steal a gradient no one else holds (make it .grad without a
 // copy), as it does in the engine. `grad` may be NULL (no gradient).

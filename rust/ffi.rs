@@ -132,6 +132,7 @@ extern "C" {
         key_len: *mut usize,
         sizes: *mut *const i64,
         n_sizes: *mut usize,
+        lifted: *mut c_int,
     ) -> c_int;
     fn rg_collector_len(c: *const RawCollector) -> usize;
     fn rg_collector_saved_variables(
@@ -156,6 +157,17 @@ extern "C" {
         svs: *const *const RawSavedVariable,
         saved: *const *const C_tensor,
         n_saved: usize,
+        out: *mut *mut C_tensor,
+        cap: usize,
+        n_out: *mut usize,
+    ) -> c_int;
+    fn rg_node_apply_lifted(
+        node: *mut RawNode,
+        inputs: *const *const C_tensor,
+        n_inputs: usize,
+        saved: *const *const C_tensor,
+        n_saved: usize,
+        sizes: PyObjectPtr,
         out: *mut *mut C_tensor,
         cap: usize,
         n_out: *mut usize,
@@ -551,6 +563,41 @@ pub fn apply_node(
     Ok(outputs)
 }
 
+/// [`apply_node`] for a node whose sizes are lifted ([`VisitedNode::lifted`]): its saved
+/// values and sizes are replaced by `saved` and `sizes` (a Python sequence of int or
+/// torch.SymInt) while it runs.
+pub fn apply_node_lifted(
+    node: &NodeRef,
+    num_outputs: u32,
+    inputs: &[Option<Tensor>],
+    saved: &[Option<Tensor>],
+    sizes: &pyo3::Bound<'_, pyo3::PyAny>,
+) -> Result<Vec<Option<Tensor>>, ShimError> {
+    let input_ptrs = tensor_ptrs(inputs);
+    let saved_ptrs = tensor_ptrs(saved);
+    let cap = num_outputs as usize;
+    let mut out: Vec<*mut C_tensor> = vec![ptr::null_mut(); cap];
+    let mut n_out = 0usize;
+    // SAFETY: pointer arrays are valid for their lengths; `sizes` is a live object.
+    let status = unsafe {
+        rg_node_apply_lifted(
+            node.as_ptr(),
+            input_ptrs.as_ptr(),
+            input_ptrs.len(),
+            saved_ptrs.as_ptr(),
+            saved_ptrs.len(),
+            sizes.as_ptr(),
+            out.as_mut_ptr(),
+            cap,
+            &mut n_out,
+        )
+    };
+    out.truncate(n_out);
+    let outputs = take_tensors(out);
+    check(status)?;
+    Ok(outputs)
+}
+
 /// Runs an AccumulateGrad node on `grad`, handing it over so that the node can steal it.
 pub fn accumulate(node: &NodeRef, mut grad: Option<Tensor>) -> Result<(), ShimError> {
     let raw = grad.as_mut().map_or(ptr::null_mut(), |t| t.as_mut_ptr());
@@ -648,8 +695,12 @@ pub struct VisitedNode<'a> {
     pub num_saved: usize,
     /// The node's specialisation bytes (non-tensor state, tensor metadata).
     pub key: &'a [u8],
-    /// Its size inputs (sizes the node keeps, e.g. `self_sym_sizes`).
+    /// Its size inputs (sizes the node keeps, e.g. `self_sym_sizes`); when `lifted`,
+    /// preceded by the dims its outputs are validated against.
     pub sizes: &'a [i64],
+    /// The sizes can be replaced when it runs ([`apply_node_lifted`]): a compiled replay
+    /// takes them as inputs instead of specialising on them.
+    pub lifted: bool,
 }
 
 /// The `compiled_args` visitor over a graph's nodes; accumulates their saved values.
@@ -674,6 +725,7 @@ impl Collector {
         let mut key_len = 0usize;
         let mut sizes = ptr::null();
         let mut n_sizes = 0usize;
+        let mut lifted = 0;
         // SAFETY: out-pointers to locals; the collector and node are alive.
         check(unsafe {
             rg_collector_visit(
@@ -685,6 +737,7 @@ impl Collector {
                 &mut key_len,
                 &mut sizes,
                 &mut n_sizes,
+                &mut lifted,
             )
         })?;
         // SAFETY: the buffers live in the collector until the next visit (borrow of self).
@@ -703,6 +756,7 @@ impl Collector {
             num_saved,
             key,
             sizes,
+            lifted: lifted != 0,
         })
     }
 

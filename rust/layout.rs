@@ -48,6 +48,8 @@ pub struct StepLayout {
     pub saved: Range<u32>,
     /// This step's hooks in [`Layout::hooks`].
     pub hooks: Range<u32>,
+    /// This step's lifted sizes in [`Layout::sizes`] (see [`crate::ffi::VisitedNode::lifted`]).
+    pub sizes: Range<u32>,
 }
 
 pub struct Layout {
@@ -58,6 +60,9 @@ pub struct Layout {
     /// Slot → the value it held when planned (detached; None if undefined), kept where
     /// compiled_args collected it.
     pub values: Collector,
+    /// The lifted sizes of every traced step: replay inputs, not part of the key, so that a
+    /// compiled replay serves every batch size (its compiler decides what to specialise).
+    pub sizes: Vec<i64>,
     /// Per step: the digests its part of the key is made of.
     pub digests: Vec<StepDigest>,
     pub key: u128,
@@ -209,6 +214,7 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
 
     let mut parts = KeyParts::default();
     let mut num_saved = 0u32;
+    let mut sizes = Vec::new();
     for (s, &n) in schedule.steps.iter().enumerate() {
         let node = &snapshot.handles[n as usize];
         let data = &graph.nodes[n as usize];
@@ -248,7 +254,10 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
             put_u32(st, h.index);
             put_u32(st, h.value_idx.unwrap_or(u32::MAX));
         }
-        parts.metadata.extend_from_slice(snapshot.input_meta(n));
+        // Shapes are not part of the key: the gradients validated against them come from
+        // replay inputs (whose shapes the compiler guards on) or from sizes that are (see
+        // below).
+        without_dims(snapshot.input_meta(n), &mut parts.metadata);
 
         let mut mode = if !runs {
             StepMode::Skipped
@@ -267,6 +276,7 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
         };
 
         let saved_start = num_saved;
+        let sizes_start = sizes.len() as u32;
         if mode == StepMode::Traced {
             let visited = collector.visit(node)?;
             if visited.supported {
@@ -276,8 +286,18 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
                 put_u32(sp, visited.key.len() as u32);
                 sp.extend_from_slice(visited.key);
                 put_u32(sp, visited.sizes.len() as u32);
-                for v in visited.sizes {
-                    sp.extend_from_slice(&v.to_le_bytes());
+                sp.push(visited.lifted as u8);
+                if visited.lifted {
+                    sizes.extend_from_slice(visited.sizes);
+                } else {
+                    // Traced with the sizes it keeps, and its outputs validated against the
+                    // shapes of the inputs its edges point at: the key specialises on both.
+                    for v in visited.sizes {
+                        sp.extend_from_slice(&v.to_le_bytes());
+                    }
+                    for e in edges.iter().filter(|e| e.is_valid()) {
+                        sp.extend_from_slice(snapshot.input_meta(e.node));
+                    }
                 }
             } else {
                 // compiled_args not implemented (e.g. a third-party Node subclass): its
@@ -295,6 +315,7 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
             mode,
             saved: saved_start..num_saved,
             hooks: hook_start..hooks.len() as u32,
+            sizes: sizes_start..sizes.len() as u32,
         });
     }
     let svs = collector.saved_variables()?;
@@ -304,11 +325,65 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
         hooks,
         svs,
         values: collector,
+        sizes,
         digests,
         key: hasher.digest128(),
     })
 }
 
+/// Input metadata records (see `rg_node_describe`: five i32, dtype, device type and index,
+/// layout and rank, then rank i64 dims) without their dims.
+fn without_dims(meta: &[u8], out: &mut Vec<u8>) {
+    const HEAD: usize = 5 * 4;
+    let mut rest = meta;
+    while rest.len() >= HEAD {
+        let (head, tail) = rest.split_at(HEAD);
+        out.extend_from_slice(head);
+        let rank = i32::from_ne_bytes([head[16], head[17], head[18], head[19]]);
+        let dims = usize::try_from(rank).unwrap_or(0) * 8;
+        rest = &tail[dims.min(tail.len())..];
+    }
+    out.extend_from_slice(rest);
+}
+
 fn hash_u32(h: &mut Xxh3, v: u32) {
     h.update(&v.to_le_bytes());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_dims;
+
+    fn record(head: [i32; 5], dims: &[i64]) -> Vec<u8> {
+        let mut out: Vec<u8> = head.iter().flat_map(|v| v.to_ne_bytes()).collect();
+        out.extend(dims.iter().flat_map(|v| v.to_ne_bytes()));
+        out
+    }
+
+    #[test]
+    fn without_dims_keeps_every_record_head_and_drops_the_dims() {
+        let a = record([6, 0, -1, 0, 2], &[64, 8]);
+        let b = record([7, 0, -1, 0, 0], &[]);
+        let c = record([6, 0, -1, 0, 1], &[3]);
+        let mut meta = a.clone();
+        meta.extend(&b);
+        meta.extend(&c);
+        let mut out = Vec::new();
+        without_dims(&meta, &mut out);
+        let mut expected = a[..20].to_vec();
+        expected.extend(&b);
+        expected.extend(&c[..20]);
+        assert_eq!(out, expected);
+
+        // The same records with other dims give the same bytes; another rank does not.
+        let mut other = record([6, 0, -1, 0, 2], &[5, 8]);
+        other.extend(&b);
+        other.extend(record([6, 0, -1, 0, 1], &[9]));
+        let mut out2 = Vec::new();
+        without_dims(&other, &mut out2);
+        assert_eq!(out, out2);
+        let mut out3 = Vec::new();
+        without_dims(&record([6, 0, -1, 0, 1], &[64]), &mut out3);
+        assert_ne!(out3, out[..20].to_vec());
+    }
 }

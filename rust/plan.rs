@@ -2,6 +2,7 @@
 //! call, plus the operations a replay performs on the live graph (run a step's node with
 //! given saved values, run a C++ hook, run deferred effects, release saved variables).
 
+use pyo3::prelude::*;
 use tch::Tensor;
 
 use crate::errors::{ErrorKind, ShimError};
@@ -123,6 +124,37 @@ impl Plan {
             None => (&[], &[]),
         };
         ffi::apply_node(node, num_outputs, inputs, svs, values)
+    }
+
+    /// Runs a traced step's node with its saved values and lifted sizes replaced by
+    /// `saved` and `sizes` (a Python sequence of int or torch.SymInt): what a compiler
+    /// tracing the replay with symbolic sizes calls.
+    pub fn apply_lifted(
+        &self,
+        step: u32,
+        inputs: &[Option<Tensor>],
+        saved: &[Option<Tensor>],
+        sizes: &Bound<'_, PyAny>,
+    ) -> Result<Vec<Option<Tensor>>, ShimError> {
+        let n_sizes = sizes
+            .len()
+            .map_err(|e| ShimError::new(ErrorKind::Type, e.to_string()))?;
+        let s = self.check_step(step)?;
+        let layout = &self.layout.steps[s];
+        let expected = (layout.saved.len(), layout.sizes.len());
+        if layout.sizes.is_empty() || expected != (saved.len(), n_sizes) {
+            return Err(ShimError::new(
+                ErrorKind::Value,
+                format!(
+                    "step {step} takes {} saved values and {} lifted sizes, got {} and {n_sizes}",
+                    expected.0,
+                    expected.1,
+                    saved.len()
+                ),
+            ));
+        }
+        let node = self.node(step)?;
+        ffi::apply_node_lifted(node, self.num_outputs(step)?, inputs, saved, sizes)
     }
 
     /// Runs hook `position` of the step (a hook the engine would call; C++ hooks run here).

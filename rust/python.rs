@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use pyo3::exceptions::{PyIndexError, PyRuntimeError, PyTypeError};
+use pyo3::exceptions::{PyIndexError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 use tch::Tensor;
@@ -330,19 +330,44 @@ impl PyPlan {
         to_py_tuple(py, out)
     }
 
-    /// Runs a step's node with `saved` swapped in (or its own saved values when None).
-    #[pyo3(signature = (step, inputs, saved=None))]
+    /// Runs a step's node with `saved` swapped in (or its own saved values when None) and,
+    /// given `sizes`, its lifted sizes replaced by them (ints or torch.SymInts, see
+    /// `size_ranges`).
+    #[pyo3(signature = (step, inputs, saved=None, sizes=None))]
     fn apply<'py>(
         &self,
         py: Python<'py>,
         step: u32,
         inputs: &Bound<'py, PyAny>,
         saved: Option<&Bound<'py, PyAny>>,
+        sizes: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let inputs = to_tensors(inputs, "gradient")?;
         let saved = saved.map(|s| to_tensors(s, "saved value")).transpose()?;
-        let out = self.plan.apply(step, &inputs, saved.as_deref())?;
+        let out = match (sizes, saved.as_deref()) {
+            (Some(sizes), Some(saved)) => self.plan.apply_lifted(step, &inputs, saved, sizes)?,
+            (Some(_), None) => return Err(PyValueError::new_err("sizes are given only with saved values")),
+            (None, saved) => self.plan.apply(step, &inputs, saved)?,
+        };
         to_py_tuple(py, out)
+    }
+
+    /// The lifted sizes of the traced steps, in step order (see `size_ranges`): a replay
+    /// input, like the saved values.
+    fn sizes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, &self.plan.layout.sizes)
+    }
+
+    /// Per step, the range of `sizes` that are its lifted sizes (empty for steps whose
+    /// sizes are part of the key, or that keep none): the dims of the inputs its edges
+    /// point at, then the sizes the node keeps.
+    fn size_ranges(&self) -> Vec<(u32, u32)> {
+        self.plan
+            .layout
+            .steps
+            .iter()
+            .map(|s| (s.sizes.start, s.sizes.end))
+            .collect()
     }
 
     /// Runs a step's AccumulateGrad on `inputs[0]`, handing the gradient over so that it

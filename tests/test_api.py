@@ -126,7 +126,7 @@ def test_plan_explain_and_dot():
     assert plan.saved == [(2, "ExpBackward0")]
     text = plan.explain()
     assert "OpaqueBackward" in text and "opaque" in text and "tensor_pre" in text
-    assert "def replay(grads, saved, hooks):" in text
+    assert "def replay(grads, saved, sizes, hooks):" in text
     assert "1 graph breaks" in text
     dot = plan.to_dot()
     assert dot.startswith("digraph replaygrad {")

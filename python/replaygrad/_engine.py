@@ -219,7 +219,7 @@ def _call(entry: Entry, plan: _core.Plan, config: Config, args: tuple, run: runn
                 steps = {step}
             elif _compile_failure(error) and node_error(error) is None:
                 steps = non_strided - entry.opaque
-                if not steps and entry.replay.hooks_in_graph and args[2]:
+                if not steps and entry.replay.hooks_in_graph and args[3]:
                     # Traced Python hooks the compiler fails on: first kept in the graph
                     # (a compiler allowing no graph break failed where one would leave
                     # it), then outside it, where a hook raises as in eager, or works.
@@ -231,7 +231,7 @@ def _call(entry: Entry, plan: _core.Plan, config: Config, args: tuple, run: runn
             cache.keep_hooks_in_graph(entry, plan, config)
         elif hooks == "outside":
             cache.move_hooks_outside(entry, plan, config, "compiling its traced hooks failed")
-            args = (*args[:2], hook_arguments(plan.hook_dicts(), in_graph=False))
+            args = (*args[:3], hook_arguments(plan.hook_dicts(), in_graph=False))
         else:
             cache.run_as_themselves(entry, plan, config, steps)
 
@@ -253,7 +253,7 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
     deferred: list[torch.Tensor | None] = []
     run = running(plan, deferred)
     try:
-        captured = _call(entry, plan, config, (grads, saved, hooks), run)
+        captured = _call(entry, plan, config, (grads, saved, plan.sizes(), hooks), run)
     except BaseException as error:  # KeyboardInterrupt too: leave no untested entry behind
         raised = node_error(error)
         if raised is not None or not _compile_failure(error):

@@ -2,10 +2,11 @@
 the way torch/csrc/autograd/engine.cpp does, one statement block per engine step.
 
 A replay depends only on the plan's structure (its key). Everything that changes from one
-backward call to the next is an argument: the root gradients, the saved values, the hook
-callables. Nodes are reached through the plan being run (``current_plan``), by step number,
-inside functions Dynamo does not trace, so a compiled replay carries no guard on this
-iteration's graph and is reused across iterations.
+backward call to the next is an argument: the root gradients, the saved values, the sizes
+torch's nodes keep (lifted out of the key), the hook callables. Nodes are reached through
+the plan being run (``current_plan``), by step number, inside functions Dynamo does not
+trace, so a compiled replay carries no guard on this iteration's graph and is reused
+across iterations.
 
 A replay is a driver that calls one or more regions, each a function over a range of steps
 that is compiled on its own. Regions name steps relative to their first one (the driver
@@ -110,18 +111,23 @@ def at(base: int, hooks_ran: bool = False) -> list:
 
 
 @torch._dynamo.allow_in_graph
-def apply_traced(step: int, inputs: list, saved: list) -> tuple:
+def apply_traced(step: int, inputs: list, saved: list, sizes: list | None = None) -> tuple:
     """A traced step: the current plan's node, called with ``saved`` swapped in.
 
     In the graph, Dynamo does not look inside (so no guard on the node); AOTAutograd and
-    the eager backend call it with the values being traced or run.
+    the eager backend call it with the values being traced or run. ``sizes``: the step's
+    lifted sizes (see ``Plan.size_ranges``), replay inputs like the saved values; traced
+    with dynamic shapes they are symbolic, and the node runs with them in place of its own.
     """
     tracing = torch._guards.TracingContext.try_get() is not None
     run = _running()
     # Only a step run for real is reached (tracing runs a region's steps before any runs).
     plan_step = run.base + step if tracing else _step(step)
     try:
-        outputs = run.plan.apply(plan_step, inputs, saved)
+        if sizes is not None and any(isinstance(v, torch.SymInt) for v in sizes):
+            outputs = run.plan.apply(plan_step, inputs, saved, sizes)
+        else:
+            outputs = run.plan.apply(plan_step, inputs, saved)
     except Exception as error:
         if not isinstance(error, _TRACING_LIMITS):
             error.__replaygrad_node_error__ = True  # type: ignore[attr-defined]
@@ -502,7 +508,7 @@ def buffer_sum(*grads: Any) -> Any:
 
 @dataclass(frozen=True)
 class Region:
-    """Steps ``start..end`` of a replay as one function, ``region(inc, saved, hooks,
+    """Steps ``start..end`` of a replay as one function, ``region(inc, saved, sizes, hooks,
     deferred) -> (exports, captured)``.
 
     ``inc`` holds the input buffers of its steps (and of later ones it feeds) as summed
@@ -526,6 +532,7 @@ class Region:
     #: The plan's capture index of each of the region's captures.
     captures: tuple[int, ...]
     saved: tuple[int, int]
+    sizes: tuple[int, int]
     hooks: tuple[int, int]
 
 
@@ -623,6 +630,7 @@ def regions(
     ``opaque`` and ``escapes``: see :func:`_region_source`.
     """
     digests = plan.step_digests()
+    size_ranges = plan.size_ranges()
     # Per step: what the node is, whatever step it is (type, input metadata, specialisation).
     what = [(step[0], step[1], digests[24 * s + 8 : 24 * s + 24]) for s, step in enumerate(steps)]
     effects = {(step, pos) for step, _kind, pos in plan.deferred()}
@@ -631,7 +639,7 @@ def regions(
     python_hooks = 0
     for start, end in pairwise(cuts):
         source, incoming, exports, captures, used = _region_source(
-            steps, start, end, effects, hooks_in_graph, opaque, python_hooks, escapes
+            steps, size_ranges, start, end, effects, hooks_in_graph, opaque, python_hooks, escapes
         )
         a, b = (steps[start][6], steps[end - 1][7]) if end > start else (0, 0)
         identity = [
@@ -654,6 +662,7 @@ def regions(
                 exports,
                 captures,
                 (a, b),
+                (size_ranges[start][0], size_ranges[end - 1][1]) if end > start else (0, 0),
                 (python_hooks, python_hooks + used),
             )
         )
@@ -708,6 +717,7 @@ def _cuts(what: list, size: int | None) -> list[int]:
 
 def _region_source(
     steps: list,
+    size_ranges: Sequence[tuple[int, int]],
     start: int,
     end: int,
     effects: set[tuple[int, int]],
@@ -716,7 +726,7 @@ def _region_source(
     hook_base: int,
     escapes: bool = True,
 ) -> tuple[str, tuple, tuple, tuple, int]:
-    """Straight-line source for ``region(inc, saved, hooks, deferred)``, one block per step
+    """Straight-line source for ``region(inc, saved, sizes, hooks, deferred)``, one block per step
     as engine.cpp runs it, and its interface: the incoming and exported input buffers (as
     ``(step, input)``), the captures, the number of Python hooks.
 
@@ -772,6 +782,7 @@ def _region_source(
             dying.setdefault(last[p], []).append(p)
 
     saved_base = steps[start][6] if end > start else 0
+    sizes_base = size_ranges[start][0] if end > start else 0
     body = []
     exports: list[tuple[int, int]] = []
     partial: dict[tuple[int, int], str] = {}
@@ -812,7 +823,10 @@ def _region_source(
         if mode == "traced" and s in opaque:
             mode = "opaque"
         if mode == "traced":
-            body.append(f"o{k} = apply_traced({k}, i, saved[{a - saved_base}:{b - saved_base}])")
+            c, d = size_ranges[s]
+            lifted = f", sizes[{c - sizes_base}:{d - sizes_base}]" if d > c else ""
+            saved_k = f"saved[{a - saved_base}:{b - saved_base}]"
+            body.append(f"o{k} = apply_traced({k}, i, {saved_k}{lifted})")
         elif mode == "opaque":
             body.append(f"o{k} = apply_opaque(deferred, {k}, i)")
         elif mode == "eager_accumulate":
@@ -851,7 +865,7 @@ def _region_source(
             body.append(f"del {', '.join(dead)}")
     returned = "".join(f"{partial[target]}, " for target in exports)
     lines = [
-        "def region(inc, saved, hooks, deferred):",
+        "def region(inc, saved, sizes, hooks, deferred):",
         f"    captured = [None] * {len(captures)}",
         *(f"    {line}" for line in body),
         f"    return ({returned}), captured",
@@ -881,13 +895,13 @@ def _has_outputs(step: tuple) -> bool:
 def _driver_source(
     steps: list, regions: Sequence[Region], num_captures: int, hooks_in_graph: bool
 ) -> str:
-    """``replay(grads, saved, hooks) -> captured``: calls the regions (``R0``,
+    """``replay(grads, saved, sizes, hooks) -> captured``: calls the regions (``R0``,
     ``R1``, ...) in order, handing input buffers from region to region (a buffer that no
     region fed yet holds the root gradients), each after :func:`at`."""
     names: dict[tuple[int, int], str] = {}
     count = 0
     out = [
-        "def replay(grads, saved, hooks):",
+        "def replay(grads, saved, sizes, hooks):",
         f"    captured = [None] * {num_captures}",
     ]
     whole = len(regions) == 1
@@ -906,8 +920,10 @@ def _driver_source(
             count += 1
         exported = "".join(f"{names[target]}, " for target in g.exports)
         captured = "".join(f"captured[{c}], " for c in g.captures)
-        (a, b), (h0, h1) = g.saved, g.hooks
-        args = "saved, hooks" if whole else f"saved[{a}:{b}], hooks[{h0}:{h1}]"
+        (a, b), (c, d), (h0, h1) = g.saved, g.sizes, g.hooks
+        args = (
+            "saved, sizes, hooks" if whole else f"saved[{a}:{b}], sizes[{c}:{d}], hooks[{h0}:{h1}]"
+        )
         hooks_ran = r > 0 and hooks_in_graph and regions[r - 1].hooks[1] > regions[r - 1].hooks[0]
         out.append(f"    d = at({g.start}{', True' if hooks_ran else ''})")
         out.append(f"    ({exported}), ({captured}) = R{r}([{', '.join(inc)}], {args}, d)")

@@ -265,9 +265,10 @@ fn the_key_is_structural() {
     };
     // Fresh graphs of the same structure share a key ...
     assert_eq!(key(2.0, 3), key(2.0, 3));
-    // ... a different scalar or shape does not.
+    // ... a different scalar does not; a different size does (sizes are lifted, see
+    // sizes_of_torch_nodes_are_lifted_out_of_the_key).
     assert_ne!(key(2.0, 3), key(3.0, 3));
-    assert_ne!(key(2.0, 3), key(2.0, 4));
+    assert_eq!(key(2.0, 3), key(2.0, 4));
 }
 
 #[test]
@@ -404,4 +405,30 @@ fn saved_values_modified_in_place_after_planning_are_reported() {
     }
     // Steps after the one that saved it are not affected.
     plan.check_saved_versions(2, last).expect("no saved values there");
+}
+
+#[test]
+fn sizes_of_torch_nodes_are_lifted_out_of_the_key() {
+    // An MLP-like graph at two batch sizes: the same key, and the sizes the nodes keep
+    // (mm's, sum's) and the shapes their outputs are validated against are the plan's
+    // lifted sizes instead.
+    let w = Tensor::ones([3, 2], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let planned = |batch: i64| {
+        let x = Tensor::ones([batch, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let y = x.mm(&w).tanh().sum(Kind::Float);
+        let plan = plan_of(&[&y]);
+        (plan.layout.key, plan.layout.sizes.clone(), names(&plan))
+    };
+    let (key4, sizes4, order) = planned(4);
+    let (key7, sizes7, _) = planned(7);
+    assert_eq!(key4, key7, "{order:?}");
+    assert_ne!(sizes4, sizes7);
+    assert!(
+        sizes4.contains(&4) && sizes7.contains(&7),
+        "{sizes4:?} {sizes7:?}"
+    );
+    // Another rank is another graph.
+    let x = Tensor::ones([2, 4, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let y = x.matmul(&w).tanh().sum(Kind::Float);
+    assert_ne!(plan_of(&[&y]).layout.key, key4);
 }
