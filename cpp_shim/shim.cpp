@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <typeinfo>
 #include <utility>
@@ -302,6 +303,22 @@ class SavedSwap {
  private:
   std::vector<SavedVariable> stash_;
   std::vector<SavedVariable*> targets_;
+};
+
+// Releases the GIL (where this thread holds it) while a node or C++ hook runs, as the engine
+// runs them: C++ code that calls into the engine (a backward inside a C++ Function's
+// backward, e.g. a checkpoint) refuses to be called with the GIL held, and other Python
+// threads run meanwhile. Python nodes and hooks take it back themselves.
+class WithoutGil {
+ public:
+  WithoutGil() {
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      release_.emplace();
+    }
+  }
+
+ private:
+  std::optional<pybind11::gil_scoped_release> release_;
 };
 
 // ---- the engine hook ----------------------------------------------------------------------
@@ -822,7 +839,11 @@ rg_status rg_node_call_pre_hook(rg_node* n, int kind, size_t i, const rg_tensor*
   if (!hook) {
     return fail(RG_KIND_INDEX, "rg_node_call_pre_hook: no such hook");
   }
-  variable_list result = (*hook)(to_list(values, count));
+  variable_list result;
+  {
+    WithoutGil no_gil;
+    result = (*hook)(to_list(values, count));
+  }
   if (result.size() != count) {
     return fail(RG_KIND_RUNTIME, "rg_node_call_pre_hook: hook changed the number of values");
   }
@@ -838,8 +859,11 @@ rg_status rg_node_call_post_hook(rg_node* n, size_t i, const rg_tensor* const* o
   if (i >= node.post_hooks().size()) {
     return fail(RG_KIND_INDEX, "rg_node_call_post_hook: no such hook");
   }
-  variable_list result =
-      (*node.post_hooks()[i])(to_list(outputs, n_outputs), to_list(inputs, n_inputs));
+  variable_list result;
+  {
+    WithoutGil no_gil;
+    result = (*node.post_hooks()[i])(to_list(outputs, n_outputs), to_list(inputs, n_inputs));
+  }
   if (result.size() != n_outputs) {
     return fail(RG_KIND_RUNTIME, "rg_node_call_post_hook: hook changed the number of values");
   }
@@ -1119,6 +1143,7 @@ rg_status rg_node_apply(rg_node* n, const rg_tensor* const* inputs, size_t n_inp
     SavedSwap swap;
     swap.swap_in(svs, saved, n_saved);
     at::AutoGradMode grad_mode(false);
+    WithoutGil no_gil;
     outputs = node(to_list(inputs, n_inputs));
     // Engine's call_function: outputs are checked and cast against the next nodes' input
     // metadata before anything else sees them.
@@ -1221,6 +1246,7 @@ rg_status rg_node_accumulate(rg_node* n, rg_tensor* grad) {
     inputs[0] = std::move(*reinterpret_cast<at::Tensor*>(grad));
   }
   at::AutoGradMode grad_mode(false);
+  WithoutGil no_gil;
   node(std::move(inputs));
   RG_CATCH
 }

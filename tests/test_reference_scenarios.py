@@ -29,6 +29,33 @@ torch::Tensor custom_op_backed_by_autograd_fn(torch::Tensor x) {
   return CustomOpAutogradFunction::apply(x);
 }
 
+// A C++ Function whose backward runs a backward itself (a checkpoint written in C++), and
+// a C++ tensor hook that does: the engine refuses calls made with the GIL held.
+struct Recompute : public torch::autograd::Function<Recompute> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x) {
+    ctx->save_for_backward({x});
+    torch::NoGradGuard no_grad;
+    return x.tanh();
+  }
+
+  static torch::autograd::variable_list backward(
+      torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grad_output) {
+    auto x = ctx->get_saved_variables()[0].detach().requires_grad_(true);
+    torch::AutoGradMode grad_mode(true);
+    return torch::autograd::grad({x.tanh()}, {x}, {grad_output[0]});
+  }
+};
+
+torch::Tensor recomputed_tanh(torch::Tensor x) {
+  return Recompute::apply(x);
+}
+
+void add_grad_of_hook(torch::Tensor t, torch::Tensor out, torch::Tensor in) {
+  t.register_hook([out, in](torch::Tensor g) {
+    return g + torch::autograd::grad({out}, {in}, {}, true)[0].sum();
+  });
+}
+
 TORCH_LIBRARY(replaygrad_test_non_traceable, m) {
   m.def("custom_op_backed_by_autograd_fn", custom_op_backed_by_autograd_fn);
 }
@@ -36,14 +63,34 @@ TORCH_LIBRARY(replaygrad_test_non_traceable, m) {
 
 
 @pytest.fixture(scope="module")
-def non_traceable_op():
-    torch.utils.cpp_extension.load_inline(
+def extension():
+    return torch.utils.cpp_extension.load_inline(
         name="replaygrad_test_non_traceable",
         cpp_sources=CPP_SOURCE,
-        functions="custom_op_backed_by_autograd_fn",
+        functions=["custom_op_backed_by_autograd_fn", "recomputed_tanh", "add_grad_of_hook"],
         verbose=False,
     )
+
+
+@pytest.fixture(scope="module")
+def non_traceable_op(extension):
     return torch.ops.replaygrad_test_non_traceable.custom_op_backed_by_autograd_fn
+
+
+@pytest.mark.parametrize("compiler", [None, "aot_eager"])
+def test_cpp_backward_calling_the_engine(extension, compiler):
+    def run(backward):
+        x = torch.linspace(-1, 1, 5, requires_grad=True)
+        backward(extension.recomputed_tanh(x * 2).sum())
+        y = torch.ones(3, requires_grad=True)
+        h = x * 2
+        extension.add_grad_of_hook(h, (y * 3).sum(), y)
+        backward((h * h).sum())
+        return x.grad
+
+    expected = run(torch.autograd.backward)
+    got = run(lambda loss: replaygrad.backward(loss, compiler=compiler))
+    assert torch.equal(got, expected)
 
 
 def test_addcmul_sum_aot_eager_fullgraph():
