@@ -1101,7 +1101,14 @@ rg_status rg_collector_first_modified(const rg_collector* c, size_t begin, size_
   *slot = end;
   for (size_t i = begin; i < end; ++i) {
     const at::Tensor& value = c->values[i];
-    if (value.defined() && version_of(value) != c->versions[i]) {
+    if (!value.defined()) {
+      continue;
+    }
+    // Modified in place, or released by a backward through its node since (a nested
+    // backward without retain_graph, e.g. from a hook): its unpack raises either way.
+    const SavedVariable& sv = *c->svs[i];
+    auto raw = sv.get_raw_data();
+    if (version_of(value) != c->versions[i] || (raw.has_value() && !raw->defined())) {
       *slot = i;
       break;
     }

@@ -152,7 +152,8 @@ rg_status rg_collector_saved_variables(const rg_collector* c, const rg_sv** out,
 // the original's requires_grad (null for an undefined saved value).
 rg_status rg_collector_value(const rg_collector* c, size_t i, rg_tensor** value);
 // The first slot in [begin, end) whose value was modified in place since it was planned
-// (its version counter moved on), or end if none was.
+// (its version counter moved on) or whose SavedVariable was released since (a backward
+// through its node), or end if none was.
 rg_status rg_collector_first_modified(const rg_collector* c, size_t begin, size_t end,
                                       size_t* slot);
 // Unpacks a node's own SavedVariable as the node would when it runs, for its errors (e.g.

@@ -350,3 +350,57 @@ def test_saved_values_of_nodes_that_ran_are_released_before_code_outside_the_gra
     )
     assert got == expected
     assert expected and all(s.startswith("Trying to backward through the graph") for s in got)
+
+
+def _released_by_a_nested_backward(where: str, backward) -> tuple:
+    """Code outside the graph runs a backward without retain_graph through MmBackward0, a
+    node the outer backward has not reached yet: its saved values are freed, and the engine
+    raises when the outer backward reaches it."""
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(4, 4, requires_grad=True)
+    b = torch.randn(3, 4, requires_grad=True)
+    h = x @ w
+    other = (h * 3).sum()
+
+    class Nested(torch.autograd.Function):  # runs as itself: a graph break
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            other.backward()
+            return g
+
+    if where == "post-accumulate-grad hook":
+        b.register_post_accumulate_grad_hook(lambda p: other.backward())
+        loss = (h.tanh() * b).sum()
+    elif where == "opaque node":
+        loss = (Nested.apply(h.tanh()) * b).sum()
+    else:  # a tensor hook
+        t = h.tanh()
+        t.register_hook(lambda g: other.backward())
+        loss = (t * b).sum()
+    try:
+        backward(loss)
+    except RuntimeError as error:
+        return ("error", str(error).split(".")[0])
+    return grads_of([x, w, b])
+
+
+@pytest.mark.parametrize(
+    ("compiler", "where"),
+    [
+        (None, "tensor hook"),
+        *((c, w) for c in FAST_COMPILERS for w in ("post-accumulate-grad hook", "opaque node")),
+    ],
+)
+def test_saved_values_released_by_a_nested_backward_raise(compiler, where):
+    torch.manual_seed(0)
+    expected = _released_by_a_nested_backward(where, lambda loss: loss.backward())
+    assert expected[0] == "error", f"eager no longer raises: {expected}"
+    torch.manual_seed(0)
+    got = _released_by_a_nested_backward(
+        where, lambda loss: replaygrad.backward(loss, compiler=compiler)
+    )
+    assert got == expected
