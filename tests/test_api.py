@@ -84,6 +84,21 @@ def test_inductor_options_dict_is_a_cache_key(compile_calls):
     torch.testing.assert_close(w.grad, 3 * (w.exp() * w + w.exp()))
 
 
+def test_inductor_skips_its_input_size_asserts(compile_calls):
+    """Dynamo's guards check every input's sizes and strides before a compiled replay runs;
+    inductor's asserts of the same are left out (unless the options say otherwise)."""
+    w = torch.randn(3, requires_grad=True)
+    replaygrad.backward(loss_of(w), compiler="inductor")
+    replaygrad.backward(loss_of(w), compiler="inductor", options={"size_asserts": True})
+    replaygrad.backward(loss_of(w), compiler="inductor", mode="default")
+    assert compile_calls == [
+        {"backend": "inductor", "options": {"size_asserts": False}},
+        {"backend": "inductor", "options": {"size_asserts": True}},
+        {"backend": "inductor", "mode": "default"},
+    ]
+    torch.testing.assert_close(w.grad, 3 * (w.exp() * w + w.exp()))
+
+
 def test_bad_compile_options():
     with pytest.raises(TypeError, match="need a backend name"):
         with replaygrad.enable(compiler=None, mode="max-autotune"):

@@ -108,7 +108,12 @@ def _compile(fn: Callable[..., Any], config: Config) -> Callable[..., Any]:
     if compiler is None:
         return fn
     if isinstance(compiler, str):
-        return torch.compile(fn, backend=compiler, **config.kwargs)
+        kwargs = config.kwargs
+        if compiler == "inductor" and "mode" not in kwargs:
+            # Inductor asserts every input's sizes and strides on each call, which Dynamo's
+            # guards have just checked: a replay has hundreds of inputs (its saved values).
+            kwargs = {**kwargs, "options": {"size_asserts": False, **(kwargs.get("options") or {})}}
+        return torch.compile(fn, backend=compiler, **kwargs)
     compiled = compiler(fn)
     if not callable(compiled):
         raise TypeError(
