@@ -29,9 +29,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <typeinfo>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -451,6 +453,20 @@ const EngineCall& engine_call(PyObject* capsule) {
     TORCH_CHECK(false, "replaygrad: engine call used outside of its callback");
   }
   return *static_cast<const EngineCall*>(ptr);
+}
+
+// Node types whose formula fails on symbolic sizes (their kernels' fake implementations
+// take none, e.g. upsampling's backward): their sizes stay in the key.
+std::mutex unliftable_mutex;
+std::unordered_set<const std::type_info*> unliftable_types;
+std::atomic<bool> any_unliftable{false};
+
+bool liftable_type(const Node& node) {
+  if (!any_unliftable.load(std::memory_order_acquire)) {
+    return true;
+  }
+  std::lock_guard<std::mutex> lock(unliftable_mutex);
+  return unliftable_types.count(&typeid(node)) == 0;
 }
 
 // Deterministic slot order of a visited node's saved variables: by TensorArg id (ids follow
@@ -1037,7 +1053,7 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
   // the shapes its outputs are validated against, followed by the node's own.
   if (compiler.lifted_ivalue_args.args.size() == ivalues_before &&
       std::strncmp(typeid(node).name(), kGeneratedPrefix, std::strlen(kGeneratedPrefix)) == 0 &&
-      edge_dims(node, c->sizes)) {
+      liftable_type(node) && edge_dims(node, c->sizes)) {
     *lifted = 1;
   } else {
     c->sizes.clear();
@@ -1239,6 +1255,15 @@ rg_status rg_node_apply_lifted(rg_node* n, const rg_tensor* const* inputs, size_
   }
   *n_out = outputs.size();
   write_list(std::move(outputs), out);
+  RG_CATCH
+}
+
+rg_status rg_node_type_not_liftable(rg_node* n) {
+  RG_TRY
+  const Node& node = *as_node(n);
+  std::lock_guard<std::mutex> lock(unliftable_mutex);
+  unliftable_types.insert(&typeid(node));
+  any_unliftable.store(true, std::memory_order_release);
   RG_CATCH
 }
 

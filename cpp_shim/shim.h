@@ -179,6 +179,9 @@ rg_status rg_node_apply(rg_node* node, const rg_tensor* const* inputs, size_t n_
 rg_status rg_node_apply_lifted(rg_node* node, const rg_tensor* const* inputs, size_t n_inputs,
                                const rg_tensor* const* saved, size_t n_saved, PyObject* sizes,
                                rg_tensor** out, size_t cap, size_t* n_out);
+// From now on, nodes of this node's type are not lifted (see rg_collector_visit): their
+// sizes are part of the key. For types whose formula fails on symbolic sizes.
+rg_status rg_node_type_not_liftable(rg_node* node);
 // Runs an AccumulateGrad node on `grad`, which it takes over: the handle is left undefined,
 // so that AccumulateGrad can steal a gradient no one else holds (make it .grad without a
 // copy), as it does in the engine. `grad` may be NULL (no gradient).

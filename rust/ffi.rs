@@ -172,6 +172,7 @@ extern "C" {
         cap: usize,
         n_out: *mut usize,
     ) -> c_int;
+    fn rg_node_type_not_liftable(node: *mut RawNode) -> c_int;
     fn rg_node_accumulate(node: *mut RawNode, grad: *mut C_tensor) -> c_int;
     fn rg_validate_root_grads(
         nodes: *const *mut RawNode,
@@ -596,6 +597,13 @@ pub fn apply_node_lifted(
     let outputs = take_tensors(out);
     check(status)?;
     Ok(outputs)
+}
+
+/// From now on the sizes of nodes of `node`'s type are part of the key (not lifted): for
+/// types whose formula fails on symbolic sizes.
+pub fn mark_type_not_liftable(node: &NodeRef) -> Result<(), ShimError> {
+    // SAFETY: the node is alive.
+    check(unsafe { rg_node_type_not_liftable(node.as_ptr()) })
 }
 
 /// Runs an AccumulateGrad node on `grad`, handing it over so that the node can steal it.

@@ -352,6 +352,12 @@ impl PyPlan {
         to_py_tuple(py, out)
     }
 
+    /// From now on, nodes of the type of this step's node keep their sizes in the key (its
+    /// formula failed on symbolic sizes).
+    fn mark_not_liftable(&self, step: u32) -> PyResult<()> {
+        Ok(crate::ffi::mark_type_not_liftable(self.plan.node(step)?)?)
+    }
+
     /// The lifted sizes of the traced steps, in step order (see `size_ranges`): a replay
     /// input, like the saved values.
     fn sizes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {

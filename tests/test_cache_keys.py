@@ -623,3 +623,27 @@ def test_torch_compiled_autograd_works_after_dynamic_replays():
         model(x).square().mean().backward()
     for p, e in zip(params, expected):
         torch.testing.assert_close(p.grad, e)
+
+
+def _upsampled(x: torch.Tensor) -> torch.Tensor:
+    interpolate = torch.nn.functional.interpolate
+    return (
+        interpolate(x, scale_factor=2, mode="bilinear").pow(2).sum()
+        + interpolate(x, scale_factor=1.5, mode="bicubic", align_corners=True).pow(2).sum()
+    )
+
+
+def test_nodes_failing_on_symbolic_sizes_keep_them_in_the_key():
+    """Upsampling's backward kernels take no symbolic sizes in their fake implementation:
+    traced with dynamic sizes they fail, so they are traced with their own sizes (the
+    compiled graph guarded on them), and their type's sizes are part of later keys."""
+    shapes = [(2, 3, 4, 4), (1, 3, 5, 5), (3, 3, 4, 6), (2, 3, 4, 4)]
+    for round in range(3):
+        misses = replaygrad.cache_info().misses
+        for shape in shapes:
+            x = torch.randn(*shape, requires_grad=True)
+            (expected,) = torch.autograd.grad(_upsampled(x), x)
+            (got,) = replaygrad.grad(_upsampled(x), x, compiler=COMPILER)
+            torch.testing.assert_close(got, expected)
+        if round == 2:
+            assert replaygrad.cache_info().misses == misses  # every shape has its replay

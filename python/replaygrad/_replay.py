@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
+import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -125,7 +126,7 @@ def apply_traced(step: int, inputs: list, saved: list, sizes: list | None = None
     plan_step = run.base + step if tracing else _step(step)
     try:
         if sizes is not None and any(isinstance(v, torch.SymInt) for v in sizes):
-            outputs = run.plan.apply(plan_step, inputs, saved, sizes)
+            outputs = _apply_symbolic(run.plan, plan_step, inputs, saved, sizes)
         else:
             outputs = run.plan.apply(plan_step, inputs, saved)
     except Exception as error:
@@ -145,6 +146,26 @@ def apply_traced(step: int, inputs: list, saved: list, sizes: list | None = None
             # are undefined at run time. (A Python Function may materialize zeros.)
             return (None,) * len(outputs)
     return outputs
+
+
+def _apply_symbolic(plan: _core.Plan, step: int, inputs: list, saved: list, sizes: list) -> tuple:
+    """A traced step of torch's run with symbolic lifted sizes. Where the node's formula
+    fails on them (a kernel whose fake implementation takes no symbolic sizes, e.g.
+    upsampling's backward), it is traced with the sizes it keeps instead, the symbolic ones
+    specialised to those (guarded), and later plans keep the sizes of nodes of its type in
+    their key (so that other sizes make other replays, not recompiles of this one); an
+    error of the node itself is raised again there."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    quiet, log.disabled = log.disabled, True  # it logs the kernel's failure as an error
+    try:
+        return plan.apply(step, inputs, saved, sizes)
+    except Exception:
+        plan.mark_not_liftable(step)
+        for v in sizes:
+            int(v)  # guard_int: the compiled graph holds for these sizes only
+        return plan.apply(step, inputs, saved)
+    finally:
+        log.disabled = quiet
 
 
 def _note_layouts(step: int, *groups: Sequence[Any]) -> None:
