@@ -323,6 +323,24 @@ class WithoutGil {
   std::optional<pybind11::gil_scoped_release> release_;
 };
 
+// Engine's call_function: outputs are checked and cast against the next nodes' input
+// metadata before anything else sees them.
+void validate(const Node& node, const edge_list& edges, variable_list& outputs) {
+  torch::autograd::validate_outputs(edges, outputs, [&](const std::string& msg) {
+    return "Function " + node.name() + " returned an " + msg;
+  });
+}
+
+// Writes a node's outputs to the caller's `cap` slots.
+rg_status hand_out(variable_list&& outputs, rg_tensor** out, size_t cap, size_t* n_out) {
+  if (outputs.size() > cap) {
+    return fail(RG_KIND_RUNTIME, "replaygrad: a node returned more outputs than it has edges");
+  }
+  *n_out = outputs.size();
+  write_list(std::move(outputs), out);
+  return RG_OK;
+}
+
 // ---- the engine hook ----------------------------------------------------------------------
 
 using torch::autograd::GraphRoot;
@@ -1168,17 +1186,9 @@ rg_status rg_node_apply(rg_node* n, const rg_tensor* const* inputs, size_t n_inp
     at::AutoGradMode grad_mode(false);
     WithoutGil no_gil;
     outputs = node(to_list(inputs, n_inputs));
-    // Engine's call_function: outputs are checked and cast against the next nodes' input
-    // metadata before anything else sees them.
-    torch::autograd::validate_outputs(node.next_edges(), outputs, [&](const std::string& msg) {
-      return "Function " + node.name() + " returned an " + msg;
-    });
+    validate(node, node.next_edges(), outputs);
   }
-  if (outputs.size() > cap) {
-    return fail(RG_KIND_RUNTIME, "rg_node_apply: node returned more outputs than it has edges");
-  }
-  *n_out = outputs.size();
-  write_list(std::move(outputs), out);
+  return hand_out(std::move(outputs), out, cap, n_out);
   RG_CATCH
 }
 
@@ -1246,15 +1256,9 @@ rg_status rg_node_apply_lifted(rg_node* n, const rg_tensor* const* inputs, size_
     at::AutoGradMode grad_mode(false);
     outputs = node.apply_with_saved(to_list(inputs, n_inputs), swap);
     apply.rethrow();
-    torch::autograd::validate_outputs(edges, outputs, [&](const std::string& msg) {
-      return "Function " + node.name() + " returned an " + msg;
-    });
+    validate(node, edges, outputs);
   }
-  if (outputs.size() > cap) {
-    return fail(RG_KIND_RUNTIME, "rg_node_apply_lifted: node returned more outputs than it has edges");
-  }
-  *n_out = outputs.size();
-  write_list(std::move(outputs), out);
+  return hand_out(std::move(outputs), out, cap, n_out);
   RG_CATCH
 }
 
