@@ -529,6 +529,22 @@ fn take_tensors(raw: Vec<*mut C_tensor>) -> Vec<Option<Tensor>> {
         .collect()
 }
 
+/// Calls a shim function that writes up to `num_outputs` tensor handles (and their count),
+/// and takes them over, also when it failed (a partial write).
+fn node_outputs(
+    num_outputs: u32,
+    call: impl FnOnce(*mut *mut C_tensor, usize, &mut usize) -> c_int,
+) -> Result<Vec<Option<Tensor>>, ShimError> {
+    let cap = num_outputs as usize;
+    let mut out: Vec<*mut C_tensor> = vec![ptr::null_mut(); cap];
+    let mut n_out = 0usize;
+    let status = call(out.as_mut_ptr(), cap, &mut n_out);
+    out.truncate(n_out);
+    let outputs = take_tensors(out);
+    check(status)?;
+    Ok(outputs)
+}
+
 /// Runs `node(inputs)` like the engine's call_function (grad mode off, validate_outputs),
 /// with `saved[i]` swapped into `svs[i]` for the call. Returns one entry per next edge.
 pub fn apply_node(
@@ -541,27 +557,22 @@ pub fn apply_node(
     debug_assert_eq!(svs.len(), saved.len());
     let input_ptrs = tensor_ptrs(inputs);
     let saved_ptrs = tensor_ptrs(saved);
-    let cap = num_outputs as usize;
-    let mut out: Vec<*mut C_tensor> = vec![ptr::null_mut(); cap];
-    let mut n_out = 0usize;
-    // SAFETY: pointer arrays are valid for their lengths; svs point into the live node.
-    let status = unsafe {
-        rg_node_apply(
-            node.as_ptr(),
-            input_ptrs.as_ptr(),
-            input_ptrs.len(),
-            svs.as_ptr(),
-            saved_ptrs.as_ptr(),
-            saved_ptrs.len(),
-            out.as_mut_ptr(),
-            cap,
-            &mut n_out,
-        )
-    };
-    out.truncate(n_out);
-    let outputs = take_tensors(out);
-    check(status)?;
-    Ok(outputs)
+    node_outputs(num_outputs, |out, cap, n_out| {
+        // SAFETY: pointer arrays are valid for their lengths; svs point into the live node.
+        unsafe {
+            rg_node_apply(
+                node.as_ptr(),
+                input_ptrs.as_ptr(),
+                input_ptrs.len(),
+                svs.as_ptr(),
+                saved_ptrs.as_ptr(),
+                saved_ptrs.len(),
+                out,
+                cap,
+                n_out,
+            )
+        }
+    })
 }
 
 /// [`apply_node`] for a node whose sizes are lifted ([`VisitedNode::lifted`]): its saved
@@ -576,27 +587,22 @@ pub fn apply_node_lifted(
 ) -> Result<Vec<Option<Tensor>>, ShimError> {
     let input_ptrs = tensor_ptrs(inputs);
     let saved_ptrs = tensor_ptrs(saved);
-    let cap = num_outputs as usize;
-    let mut out: Vec<*mut C_tensor> = vec![ptr::null_mut(); cap];
-    let mut n_out = 0usize;
-    // SAFETY: pointer arrays are valid for their lengths; `sizes` is a live object.
-    let status = unsafe {
-        rg_node_apply_lifted(
-            node.as_ptr(),
-            input_ptrs.as_ptr(),
-            input_ptrs.len(),
-            saved_ptrs.as_ptr(),
-            saved_ptrs.len(),
-            sizes.as_ptr(),
-            out.as_mut_ptr(),
-            cap,
-            &mut n_out,
-        )
-    };
-    out.truncate(n_out);
-    let outputs = take_tensors(out);
-    check(status)?;
-    Ok(outputs)
+    node_outputs(num_outputs, |out, cap, n_out| {
+        // SAFETY: pointer arrays are valid for their lengths; `sizes` is a live object.
+        unsafe {
+            rg_node_apply_lifted(
+                node.as_ptr(),
+                input_ptrs.as_ptr(),
+                input_ptrs.len(),
+                saved_ptrs.as_ptr(),
+                saved_ptrs.len(),
+                sizes.as_ptr(),
+                out,
+                cap,
+                n_out,
+            )
+        }
+    })
 }
 
 /// From now on the sizes of nodes of `node`'s type are part of the key (not lifted): for
