@@ -125,7 +125,7 @@ def apply_traced(step: int, inputs: list, saved: list, sizes: list | None = None
     # Only a step run for real is reached (tracing runs a region's steps before any runs).
     plan_step = run.base + step if tracing else _step(step)
     try:
-        if sizes is not None and any(isinstance(v, torch.SymInt) for v in sizes):
+        if tracing and sizes is not None and any(isinstance(v, torch.SymInt) for v in sizes):
             outputs = _apply_symbolic(run.plan, plan_step, inputs, saved, sizes)
         else:
             outputs = run.plan.apply(plan_step, inputs, saved)
