@@ -731,6 +731,7 @@ rg_status rg_node_describe(rg_node* n, rg_node_info* info, rg_node** nodes, uint
         0,
     };
     if (nested) {
+      head[4] = -1;  // no plain shape
       put(head, sizeof head);
       continue;
     }
@@ -1067,14 +1068,11 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
       !append_ctx_state(static_cast<torch::autograd::PyNode&>(node).pyobj(), c->key)) {
     return opaque();
   }
-  // A generated node's sizes can be lifted (see rg_node_apply_lifted): then the sizes are
-  // the shapes its outputs are validated against, followed by the node's own.
+  // A generated node's sizes can be lifted (see rg_node_apply_lifted).
   if (compiler.lifted_ivalue_args.args.size() == ivalues_before &&
       std::strncmp(typeid(node).name(), kGeneratedPrefix, std::strlen(kGeneratedPrefix)) == 0 &&
-      liftable_type(node) && edge_dims(node, c->sizes)) {
+      liftable_type(node)) {
     *lifted = 1;
-  } else {
-    c->sizes.clear();
   }
   auto& ivalues = compiler.lifted_ivalue_args.args;
   ivalues.erase(ivalues.begin() + static_cast<std::ptrdiff_t>(ivalues_before), ivalues.end());

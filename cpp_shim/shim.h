@@ -139,9 +139,9 @@ void rg_collector_free(rg_collector* c);
 // collector. Outputs the number appended, the node's specialisation bytes and size inputs
 // (valid until the next call). *supported is 0 when the node does not implement
 // compiled_args (nothing is appended then). *lifted is 1 when the sizes can be given to
-// rg_node_apply_lifted instead of the node's own (one of torch's generated nodes): then the
-// sizes are the dims of the input metadata its valid edges point at (what its outputs are
-// validated against), followed by its own size inputs.
+// rg_node_apply_lifted instead of the node's own (one of torch's generated nodes), preceded
+// by the dims of the input metadata its valid edges point at (what its outputs are
+// validated against; the caller has them from rg_node_describe).
 rg_status rg_collector_visit(rg_collector* c, rg_node* node, int* supported, size_t* n_saved,
                              const uint8_t** key, size_t* key_len, const int64_t** sizes,
                              size_t* n_sizes, int* lifted);

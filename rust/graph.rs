@@ -161,6 +161,63 @@ impl Snapshot {
         let n = n as usize;
         &self.input_meta[self.meta_start[n] as usize..self.meta_start[n + 1] as usize]
     }
+
+    /// Appends the dims of the input metadata `edges` point at (what the outputs sent along
+    /// them are validated against), valid edges in order. False where one has no plain
+    /// shape (a nested tensor).
+    pub fn edge_dims(&self, edges: &[Edge], out: &mut Vec<i64>) -> bool {
+        for e in edges.iter().filter(|e| e.is_valid()) {
+            let record = meta_records(self.input_meta(e.node)).nth(e.input_nr as usize);
+            let Some(record) = record.filter(|r| !r.is_nested()) else {
+                return false;
+            };
+            out.extend(
+                record
+                    .dims
+                    .chunks_exact(8)
+                    .map(|d| i64::from_ne_bytes(d.try_into().expect("chunks_exact(8) yields 8 bytes"))),
+            );
+        }
+        true
+    }
+}
+
+/// One input's metadata record in [`Snapshot::input_meta`] (see `rg_node_describe`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MetaRecord<'a> {
+    /// Five i32: dtype, device type and index, layout, rank (-1 for a nested tensor).
+    pub head: &'a [u8],
+    /// `rank` native-endian i64s; empty for a nested tensor.
+    pub dims: &'a [u8],
+}
+
+impl MetaRecord<'_> {
+    pub const HEAD: usize = 5 * 4;
+
+    /// A nested tensor's metadata has no plain shape.
+    pub fn is_nested(&self) -> bool {
+        self.head[16..20] == (-1i32).to_ne_bytes()
+    }
+}
+
+/// The records of one node's input metadata bytes, in input order (a truncated record ends
+/// the sequence).
+pub fn meta_records(meta: &[u8]) -> impl Iterator<Item = MetaRecord<'_>> {
+    let mut rest = meta;
+    std::iter::from_fn(move || {
+        if rest.len() < MetaRecord::HEAD {
+            return None;
+        }
+        let (head, tail) = rest.split_at(MetaRecord::HEAD);
+        let rank = i32::from_ne_bytes([head[16], head[17], head[18], head[19]]);
+        let len = usize::try_from(rank).unwrap_or(0) * 8;
+        if tail.len() < len {
+            return None;
+        }
+        let (dims, tail) = tail.split_at(len);
+        rest = tail;
+        Some(MetaRecord { head, dims })
+    })
 }
 
 /// Walks the graph reachable from the root edges, breadth first (the engine's
@@ -184,7 +241,10 @@ pub fn snapshot(roots: &[(NodeRef, u32)], outputs: &[Option<(NodeRef, u32)>]) ->
         let i = handles.len() as u32;
         index.insert(key, i);
         // SAFETY: the node is reachable from a node we hold, so it is alive.
-        handles.push(unsafe { NodeRef::from_borrowed(node) });
+        let handle = unsafe { NodeRef::from_borrowed(node) };
+        // Its fields are read when it is described, soon: load them all at once now.
+        handle.prefetch();
+        handles.push(handle);
         i
     };
 
@@ -307,6 +367,52 @@ mod tests {
         assert_eq!(g.next_edges(1), &[Edge::new(2, 0)]);
         assert!(g.next_edges(2).is_empty());
         assert!(!g.next_edges(0)[1].is_valid());
+    }
+
+    fn record(rank: i32, dims: &[i64]) -> Vec<u8> {
+        let head = [6, 0, -1, 0, rank];
+        let mut out: Vec<u8> = head.iter().flat_map(|v| v.to_ne_bytes()).collect();
+        out.extend(dims.iter().flat_map(|v| v.to_ne_bytes()));
+        out
+    }
+
+    #[test]
+    fn edge_dims_read_the_records_edges_point_at() {
+        // Node 1 has inputs of shapes (2, 3) and (); node 2 a nested tensor input.
+        let g = Graph::from_adjacency(
+            vec![data(3), data(2), data(1)],
+            vec![
+                vec![Edge::new(1, 0), Edge::INVALID, Edge::new(1, 1)],
+                vec![],
+                vec![],
+            ],
+            vec![Edge::new(0, 0)],
+            vec!["X".into()],
+        );
+        let mut input_meta = record(1, &[4]);
+        let node1 = input_meta.len() as u32;
+        input_meta.extend(record(2, &[2, 3]));
+        input_meta.extend(record(0, &[]));
+        let node2 = input_meta.len() as u32;
+        input_meta.extend(record(-1, &[]));
+        let meta_start = vec![0, node1, node2, input_meta.len() as u32];
+        let snapshot = Snapshot {
+            graph: g,
+            handles: Vec::new(),
+            input_meta,
+            meta_start,
+        };
+        let records: Vec<_> = meta_records(snapshot.input_meta(1)).collect();
+        assert_eq!(records.len(), 2);
+        assert_eq!(records[0].dims.len(), 16);
+        assert!(meta_records(snapshot.input_meta(2)).all(|r| r.is_nested()));
+
+        let mut dims = vec![7];
+        assert!(snapshot.edge_dims(snapshot.graph.next_edges(0), &mut dims));
+        assert_eq!(dims, [7, 2, 3]);
+        assert!(!snapshot.edge_dims(&[Edge::new(2, 0)], &mut dims));
+        // An input the node does not have: no shape to validate against.
+        assert!(!snapshot.edge_dims(&[Edge::new(1, 2)], &mut dims));
     }
 
     #[test]

@@ -8,7 +8,7 @@ use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 use crate::errors::ShimError;
 use crate::ffi::{Collector, HookKind, NodeKind, NodeRef, RawSavedVariable};
-use crate::graph::{Graph, Snapshot};
+use crate::graph::{meta_records, Graph, Snapshot};
 use crate::order::{Schedule, NO_STEP};
 
 /// One hook the engine calls for a step, in the engine's order (call_tensor_pre_hooks:
@@ -191,6 +191,10 @@ impl KeyParts {
     }
 }
 
+/// How many steps ahead `layout` asks the CPU to load a node: visiting one takes about as
+/// long as a load from memory, and nodes of a large graph are not in the cache.
+const PREFETCH_STEPS: usize = 3;
+
 fn put_u32(buf: &mut Vec<u8>, v: u32) {
     buf.extend_from_slice(&v.to_le_bytes());
 }
@@ -216,6 +220,9 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
     let mut num_saved = 0u32;
     let mut sizes = Vec::new();
     for (s, &n) in schedule.steps.iter().enumerate() {
+        if let Some(&ahead) = schedule.steps.get(s + PREFETCH_STEPS) {
+            snapshot.handles[ahead as usize].prefetch();
+        }
         let node = &snapshot.handles[n as usize];
         let data = &graph.nodes[n as usize];
         let runs = schedule.needed[s];
@@ -285,11 +292,15 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
                 put_u32(sp, visited.num_saved as u32);
                 put_u32(sp, visited.key.len() as u32);
                 sp.extend_from_slice(visited.key);
+                // A lifted node's sizes: the shapes its outputs are validated against, then
+                // its own (the order rg_node_apply_lifted takes them in).
+                let lifted = visited.lifted && snapshot.edge_dims(edges, &mut sizes);
                 put_u32(sp, visited.sizes.len() as u32);
-                sp.push(visited.lifted as u8);
-                if visited.lifted {
+                sp.push(lifted as u8);
+                if lifted {
                     sizes.extend_from_slice(visited.sizes);
                 } else {
+                    sizes.truncate(sizes_start as usize);
                     // Traced with the sizes it keeps, and its outputs validated against the
                     // shapes of the inputs its edges point at: the key specialises on both.
                     for v in visited.sizes {
@@ -331,19 +342,11 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
     })
 }
 
-/// Input metadata records (see `rg_node_describe`: five i32, dtype, device type and index,
-/// layout and rank, then rank i64 dims) without their dims.
+/// Input metadata records (see [`meta_records`]) without their dims.
 fn without_dims(meta: &[u8], out: &mut Vec<u8>) {
-    const HEAD: usize = 5 * 4;
-    let mut rest = meta;
-    while rest.len() >= HEAD {
-        let (head, tail) = rest.split_at(HEAD);
-        out.extend_from_slice(head);
-        let rank = i32::from_ne_bytes([head[16], head[17], head[18], head[19]]);
-        let dims = usize::try_from(rank).unwrap_or(0) * 8;
-        rest = &tail[dims.min(tail.len())..];
+    for record in meta_records(meta) {
+        out.extend_from_slice(record.head);
     }
-    out.extend_from_slice(rest);
 }
 
 fn hash_u32(h: &mut Xxh3, v: u32) {
