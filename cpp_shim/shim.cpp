@@ -697,6 +697,7 @@ rg_status rg_node_describe(rg_node* n, rg_node_info* info, rg_node** nodes, uint
   info->num_pre_hooks = static_cast<uint32_t>(node.pre_hooks().size());
   info->num_post_hooks = static_cast<uint32_t>(node.post_hooks().size());
   info->non_strided_inputs = 0;
+  info->nested_inputs = 0;
   const auto& post_acc = node.tensor_post_acc_grad_hooks();
   info->has_post_acc_grad_hooks =
       post_acc != nullptr &&
@@ -731,6 +732,7 @@ rg_status rg_node_describe(rg_node* n, rg_node_info* info, rg_node** nodes, uint
         0,
     };
     if (nested) {
+      info->nested_inputs += 1;
       head[4] = -1;  // no plain shape
       put(head, sizeof head);
       continue;

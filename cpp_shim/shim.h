@@ -88,6 +88,8 @@ typedef struct {
   uint32_t has_post_acc_grad_hooks;
   // Inputs whose metadata has a layout other than strided (sparse, mkldnn, ...).
   uint32_t non_strided_inputs;
+  // Inputs whose metadata is a nested tensor's (strided or jagged).
+  uint32_t nested_inputs;
 } rg_node_info;
 
 // Everything the graph walk reads of a node, in one call: its info; next_edges()[0..min(count,

@@ -45,6 +45,7 @@ struct RawNodeInfo {
     num_post_hooks: u32,
     has_post_acc_grad_hooks: u32,
     non_strided_inputs: u32,
+    nested_inputs: u32,
 }
 
 impl Default for RawNodeInfo {
@@ -61,6 +62,7 @@ impl Default for RawNodeInfo {
             num_post_hooks: 0,
             has_post_acc_grad_hooks: 0,
             non_strided_inputs: 0,
+            nested_inputs: 0,
         }
     }
 }
@@ -259,6 +261,8 @@ pub struct NodeInfo {
     pub has_post_acc_grad_hooks: bool,
     /// Every input's metadata has the strided layout (no sparse or mkldnn gradients).
     pub strided_inputs: bool,
+    /// An input's metadata is a nested tensor's.
+    pub nested_inputs: bool,
 }
 
 /// The hook lists of a node the engine calls, in the shim's numbering.
@@ -398,6 +402,7 @@ impl NodeRef {
             num_post_hooks: raw.num_post_hooks,
             has_post_acc_grad_hooks: raw.has_post_acc_grad_hooks != 0,
             strided_inputs: raw.non_strided_inputs == 0,
+            nested_inputs: raw.nested_inputs != 0,
         })
     }
 

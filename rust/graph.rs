@@ -153,6 +153,8 @@ pub struct Snapshot {
     /// `rg_node_describe`).
     pub input_meta: Vec<u8>,
     pub meta_start: Vec<u32>,
+    /// Some node takes a nested tensor (see [`MetaRecord::is_nested`]).
+    pub nested_inputs: bool,
 }
 
 impl Snapshot {
@@ -259,6 +261,7 @@ pub fn snapshot(roots: &[(NodeRef, u32)], outputs: &[Option<(NodeRef, u32)>]) ->
     let mut input_nrs: Vec<u32> = Vec::new();
     let mut input_meta: Vec<u8> = Vec::new();
     let mut meta_start: Vec<u32> = vec![0];
+    let mut nested_inputs = false;
     graph.edge_start.push(0);
     let mut n = 0usize;
     while n < handles.len() {
@@ -266,6 +269,7 @@ pub fn snapshot(roots: &[(NodeRef, u32)], outputs: &[Option<(NodeRef, u32)>]) ->
         input_nrs.clear();
         let info = handles[n].describe(&mut next_nodes, &mut input_nrs, &mut input_meta)?;
         meta_start.push(input_meta.len() as u32);
+        nested_inputs |= info.nested_inputs;
         let type_index = if info.kind == NodeKind::PythonFunction {
             let name = handles[n].name()?;
             let next = graph.type_names.len() as u32;
@@ -325,6 +329,7 @@ pub fn snapshot(roots: &[(NodeRef, u32)], outputs: &[Option<(NodeRef, u32)>]) ->
         handles,
         input_meta,
         meta_start,
+        nested_inputs,
     })
 }
 
@@ -401,6 +406,7 @@ mod tests {
             handles: Vec::new(),
             input_meta,
             meta_start,
+            nested_inputs: true,
         };
         let records: Vec<_> = meta_records(snapshot.input_meta(1)).collect();
         assert_eq!(records.len(), 2);

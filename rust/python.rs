@@ -160,6 +160,12 @@ impl PyPlan {
         )
     }
 
+    /// Whether a node of the graph takes a nested tensor (strided or jagged).
+    #[getter]
+    fn nested_inputs(&self) -> bool {
+        self.plan.snapshot.nested_inputs
+    }
+
     /// Whether the engine call keeps the graph (retain_graph).
     #[getter]
     fn keep_graph(&self) -> bool {

@@ -189,3 +189,31 @@ def test_replay_survives_torch_compile_clearing_the_engine_slot():
         before = replaygrad.cache_info()
         (lin(torch.randn(2, 4)) ** 2).sum().backward()
         assert_replayed(before)
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_backward_inside_a_forward_ad_level_runs_in_the_engine(compiler):
+    # Forward over reverse: the engine's formulas run on dual saved values, so gradients
+    # (and what hooks see) carry tangents; a replay takes the saved values without them.
+    import torch.autograd.forward_ad as fwAD
+
+    def run(backward):
+        torch.manual_seed(0)
+        seen = []
+        x = torch.randn(4, requires_grad=True)
+        with fwAD.dual_level():
+            d = fwAD.make_dual(x, torch.ones(4))
+            y = d.exp()
+            y.register_hook(lambda g: seen.append(fwAD.unpack_dual(g).tangent))
+            loss = (y * d).sum()
+            (g,) = backward(loss, x)
+            return fwAD.unpack_dual(g).tangent, seen
+
+    expected = run(torch.autograd.grad)
+    assert expected[0] is not None and len(expected[1]) == 1
+    before = replaygrad.cache_info()
+    with replaygrad.enable(compiler):
+        got = run(torch.autograd.grad)
+    assert replaygrad.cache_info()[:2] == before[:2], "the engine ran the call"
+    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0)

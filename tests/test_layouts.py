@@ -151,3 +151,33 @@ def test_tensor_subclass_values_run_uncompiled():
     (got,) = replaygrad.grad(f(x), x, compiler="aot_eager")
     torch.testing.assert_close(got.elem, expected.elem, rtol=0, atol=0)
     assert torch._dynamo.utils.counters["frames"]["total"] == frames
+
+
+def _nested_graph(layout: torch.layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    a = torch.randn(2, 4, requires_grad=True)
+    b = torch.randn(3, 4, requires_grad=True)
+    nt = torch.nested.as_nested_tensor([a, b], layout=layout)
+    if layout == torch.jagged:
+        # Nodes of a tensor subclass run as themselves: a jagged gradient passes between them.
+        loss = (nt.sin() * 2).values().sum()
+    else:
+        loss = torch.nested.to_padded_tensor(nt * 3, 0.0).sum()
+    return a, b, loss
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided", "jagged"])
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_nested_tensor_graphs_replay_uncompiled(compiler, layout):
+    # Compiled, a strided nested saved value failed before the compile (it has no sizes) and
+    # a jagged gradient failed Dynamo's guards where it resumed after a graph break, also
+    # with fallback="eager": a graph whose nodes take nested tensors replays uncompiled.
+    def run(backward):
+        torch.manual_seed(0)
+        a, b, loss = _nested_graph(layout)
+        backward(loss)
+        return [], _grads(a, b)
+
+    frames = torch._dynamo.utils.counters["frames"]["total"]
+    compare(run, compiler)
+    assert torch._dynamo.utils.counters["frames"]["total"] == frames, "Dynamo saw no frame"
+    assert "def replay" in replaygrad.plan(_nested_graph(layout)[2]).source

@@ -173,6 +173,10 @@ def _engine_only_reason() -> str | None:
     if torch._C._len_torch_dispatch_stack() > 0:
         # The user's mode must see the backward's ops, and only those.
         return "a TorchDispatchMode is active"
+    if torch.autograd.forward_ad._current_level >= 0:
+        # Saved values may be dual tensors: the engine's formulas then compute the tangents
+        # of the gradients too, and a replay takes the saved values without them.
+        return "a forward-mode AD level is active (torch.autograd.forward_ad.dual_level)"
     return None
 
 
@@ -240,9 +244,11 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
     plan_log.debug("plan:\n%s", Lazy(lambda: table(plan)))
     grads = plan.root_grads()
     saved = plan.saved_values()
-    if config.compiler is not None and _tensor_subclasses(grads, saved):
+    if config.compiler is not None and (plan.nested_inputs or _tensor_subclasses(grads, saved)):
         # Dynamo cannot fake such tensors (e.g. LoggingTensor): every step would be a graph
-        # break and a frame of its own to compile, so the replay runs uncompiled.
+        # break and a frame of its own to compile, so the replay runs uncompiled. Nor can it
+        # resume after a graph break with a nested tensor, a gradient the replay passes
+        # between steps, so a graph with one runs uncompiled as well.
         config = Config(None, fallback=config.fallback)
     entry = cache.get(plan, config)
     if entry.failed:
