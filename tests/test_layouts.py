@@ -165,6 +165,7 @@ def _nested_graph(layout: torch.layout) -> tuple[torch.Tensor, torch.Tensor, tor
     return a, b, loss
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
 @pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided", "jagged"])
 @pytest.mark.parametrize("compiler", COMPILERS)
 def test_nested_tensor_graphs_replay_uncompiled(compiler, layout):
