@@ -75,7 +75,10 @@ def grads_of(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor | None]:
     return [None if t.grad is None else t.grad.clone() for t in tensors]
 
 
-def assert_grads_equal(expected, actual, exact: bool) -> None:
+def assert_grads_equal(expected, actual, exact: bool, scaled: bool = False) -> None:
+    """Gradients equal bit for bit (``exact``) or within float tolerance; ``scaled``: the
+    absolute tolerance grows with each gradient's magnitude (for compiled float32 sums whose
+    small entries are differences of large terms)."""
     assert len(expected) == len(actual)
     for i, (e, a) in enumerate(zip(expected, actual)):
         if e is None or a is None:
@@ -85,7 +88,8 @@ def assert_grads_equal(expected, actual, exact: bool) -> None:
         if exact:
             assert torch.equal(e, a), f"grad {i} differs: max {(e - a).abs().max()}"
         else:
-            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5, msg=f"grad {i}")
+            scale = max(1.0, e.abs().max().item()) if scaled else 1.0
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5 * scale, msg=f"grad {i}")
 
 
 def compare_training(
