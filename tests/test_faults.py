@@ -1,5 +1,5 @@
 """Faults mid-replay lose nothing: exceptions reach the caller unchanged, the graph's saved
-values are intact afterwards, the cache keeps no entry that never worked, and compile
+values are intact afterwards, a backward that raises is not compiled again, and compile
 failures are reported with the plan's key (or sent to the engine with fallback='eager')."""
 
 from __future__ import annotations
@@ -16,6 +16,16 @@ from conftest import COMPILERS, FAST_COMPILERS, assert_grads_equal, grads_of
 
 class Boom(Exception):
     pass
+
+
+class Failing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        raise Boom("backward failed")
 
 
 def graph():
@@ -43,7 +53,7 @@ def test_hook_raising_mid_replay_leaves_the_graph_intact(compiler, error):
     handle = h.register_hook(hook)
     with pytest.raises(type(error)):
         replaygrad.backward(loss, retain_graph=True, compiler=compiler)
-    assert replaygrad.cache_info().size == 0, "no entry that never completed a call"
+    assert replaygrad.cache_info().size == 1, "the backward raised, not its compiler"
     handle.remove()
     x.grad = w.grad = None
     # Every saved value was swapped back: the engine gets the right gradients.
@@ -54,21 +64,34 @@ def test_hook_raising_mid_replay_leaves_the_graph_intact(compiler, error):
 
 
 def test_custom_function_raising_reaches_the_caller():
-    class Failing(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            return t * 2
-
-        @staticmethod
-        def backward(ctx, g):
-            raise Boom("backward failed")
-
     x = torch.randn(3, requires_grad=True)
     loss = (Failing.apply(x.exp()) * x).sum()
     with pytest.raises(Boom, match="backward failed"):
         replaygrad.backward(loss, retain_graph=True, compiler="aot_eager")
     with pytest.raises(Boom):
         loss.backward()
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("where", ["function", "hook"])
+def test_a_backward_raising_on_every_call_compiles_once(compiler, where):
+    # E.g. a test of the error in a loop: the replay's compiled regions serve every call.
+    counters = torch._dynamo.utils.counters["stats"]
+    graphs = []
+    for _ in range(4):
+        x = torch.randn(3, requires_grad=True)
+        h = x.exp() * x
+        if where == "function":
+            h = Failing.apply(h)
+        else:
+            h.register_hook(lambda g: (_ for _ in ()).throw(Boom("hook failed")))
+        loss = (h.sin() * x).sum()
+        with pytest.raises(Boom):
+            replaygrad.backward(loss, compiler=compiler)
+        graphs.append(counters["unique_graphs"])
+    info = replaygrad.cache_info()
+    assert (info.misses, info.hits, info.size) == (1, 3, 1)
+    assert graphs[1:] == graphs[:1] * 3, f"Dynamo graphs after each call: {graphs}"
 
 
 def failing_backend(gm, example_inputs):

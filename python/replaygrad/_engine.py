@@ -260,7 +260,7 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
     run = running(plan, deferred)
     try:
         captured = _call(entry, plan, config, (grads, saved, plan.sizes(), hooks), run)
-    except BaseException as error:  # KeyboardInterrupt too: leave no untested entry behind
+    except BaseException as error:  # KeyboardInterrupt too
         raised = node_error(error)
         if raised is not None or not _compile_failure(error):
             step = traced_step(error)
@@ -272,8 +272,9 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
                     f"replaygrad: step {step} of this backward raised while it was being "
                     "compiled, after earlier steps ran; later calls run it as itself"
                 )
-            elif entry.calls == 0:
-                cache.discard(config, plan.key)  # no entry that never completed a call
+            # The entry stays: the backward itself raised, not its compiler, so what was
+            # compiled serves the next call (a backward that raises on every call, e.g. in a
+            # test of its error, compiles once).
             # The engine has run the accumulations and retain_grads before the failing step,
             # and released the saved variables of the nodes before it.
             del saved
