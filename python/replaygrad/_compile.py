@@ -87,6 +87,11 @@ _TORCH_COMPILE_OPTIONS = frozenset(inspect.signature(torch.compile).parameters) 
 }
 
 
+#: Backend names found registered (backends are not unregistered): ``enable()`` may run once
+#: per training step, and listing the backends costs more than the rest of it.
+_known_backends: set[str] = set()
+
+
 def check_compiler(compiler: Compiler) -> None:
     """Raises ValueError/TypeError where the user passed an unusable compiler."""
     if compiler is None or callable(compiler):
@@ -96,11 +101,14 @@ def check_compiler(compiler: Compiler) -> None:
             "compiler must be a torch.compile backend name, a callable or None, "
             f"got {type(compiler).__name__}"
         )
+    if compiler in _known_backends:
+        return
     backends = torch._dynamo.list_backends(exclude_tags=())
     if compiler not in backends:
         raise ValueError(
             f"unknown compiler {compiler!r}; torch.compile backends are: {', '.join(backends)}"
         )
+    _known_backends.add(compiler)
 
 
 def _compile(fn: Callable[..., Any], config: Config) -> Callable[..., Any]:
