@@ -33,6 +33,7 @@
 #include <optional>
 #include <string>
 #include <typeinfo>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -606,6 +607,12 @@ struct rg_collector {
   std::vector<int64_t> sizes;
   // The visited node's saved variables by (TensorArg id, address), reused across visits.
   std::vector<std::pair<std::pair<uint32_t, uintptr_t>, const SavedVariable*>> order;
+  // A tensor saved more than once (by several nodes, or twice by one) gets one value, the
+  // one of its first slot (index into `values`): a compiled replay then takes it as one
+  // input, as torch's compiled autograd does. Keyed by the unpacked tensor, which `sources`
+  // keeps alive so that its address is not reused by another tensor during the walk.
+  std::unordered_map<const c10::TensorImpl*, size_t> first_slot;
+  std::vector<at::Tensor> sources;
 };
 
 extern "C" {
@@ -1088,7 +1095,14 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
     const TensorArg* arg = unpacked.at(sv);
     at::Tensor value;
     if (arg->defined()) {
-      value = detached_value(compiler.tensor_args.inputs[arg->index()]);
+      const at::Tensor& source = compiler.tensor_args.inputs[arg->index()];
+      auto [slot, first] = c->first_slot.try_emplace(source.unsafeGetTensorImpl(), c->values.size());
+      if (first) {
+        value = detached_value(source);
+        c->sources.push_back(source);
+      } else {
+        value = c->values[slot->second];
+      }
     }
     c->svs.push_back(sv);
     c->versions.push_back(value.defined() ? version_of(value) : 0);
