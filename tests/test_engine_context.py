@@ -217,3 +217,51 @@ def test_backward_inside_a_forward_ad_level_runs_in_the_engine(compiler):
     assert replaygrad.cache_info()[:2] == before[:2], "the engine ran the call"
     torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
     torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0)
+
+
+@pytest.fixture
+def process_group():
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("this torch has no gloo process group")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_backward_inside_a_ddp_forward(process_group, compiler):
+    # DDP marks its module active during its forward, and Dynamo compiles what runs then
+    # split at DDP's gradient buckets: the replay of a backward made there (an input
+    # saliency) is not DDP's module, and small buckets failed its compile.
+    from torch import nn
+
+    class Saliency(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 4), nn.Linear(8, 4)
+
+        def forward(self, x):
+            x = x.detach().requires_grad_()
+            (saliency,) = torch.autograd.grad(self.b(self.a(x).tanh()).square().sum(), x)
+            return self.b(self.a(x).tanh()) + self.c(saliency.abs())
+
+    def train(routed: bool) -> list:
+        torch.manual_seed(0)
+        ddp = nn.parallel.DistributedDataParallel(Saliency(), bucket_cap_mb=0.0005)
+        grads = []
+        with replaygrad.enable(compiler) if routed else replaygrad.disable():
+            for step in range(2):
+                ddp.zero_grad()
+                torch.manual_seed(100 + step)
+                ddp(torch.randn(5, 8)).square().mean().backward()
+                grads += [p.grad.clone() for p in ddp.parameters()]
+        return grads
+
+    expected = train(routed=False)
+    before = replaygrad.cache_info()
+    got = train(routed=True)
+    assert_replayed(before, calls=4)
+    for e, g in zip(expected, got, strict=True):
+        assert torch.equal(e, g)
