@@ -204,6 +204,35 @@ def test_hook_reads_a_retained_grad_mid_backward(compiler):
     compare(run, compiler)
 
 
+@pytest.mark.parametrize(
+    "compiler",
+    uncompiled_and_failing_aot_eager(
+        "a hook traced into the compiled graph runs before the accumulations of earlier steps "
+        "are applied (at the next graph break or after the replay): it reads the last "
+        "layer's .grad as it was before the backward, and its change to it is made before "
+        "the accumulation"
+    ),
+)
+def test_hook_reads_and_scales_another_parameters_grad(compiler):
+    def run(backward):
+        torch.manual_seed(0)
+        log = []
+        w1 = torch.randn(3, 3, requires_grad=True)
+        w2 = torch.randn(3, 3, requires_grad=True)
+        w2.grad = torch.zeros(3, 3)
+        x = torch.randn(2, 3)
+
+        def hook(g):
+            log.append(("w2.grad", summary(w2.grad)))
+            w2.grad.mul_(0.5)
+
+        w1.register_hook(hook)
+        backward(((x @ w1).tanh() @ w2).square().sum())
+        return log, grads_of([w1, w2])
+
+    compare(run, compiler)
+
+
 # ---- grad_fn hooks ------------------------------------------------------------------------
 
 
