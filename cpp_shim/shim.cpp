@@ -33,7 +33,6 @@
 #include <optional>
 #include <string>
 #include <typeinfo>
-#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -488,6 +487,50 @@ bool liftable_type(const Node& node) {
   return unliftable_types.count(&typeid(node)) == 0;
 }
 
+// Addresses to slot numbers: open addressing with linear probing, no allocation per entry
+// (a plan records one entry per saved tensor).
+class SlotTable {
+ public:
+  // The slot recorded for `key`; records `slot` for it if there is none.
+  size_t find_or_insert(const void* key, size_t slot) {
+    if (2 * (used_ + 1) > entries_.size()) {
+      grow();
+    }
+    const size_t mask = entries_.size() - 1;
+    for (size_t i = hash(key) & mask;; i = (i + 1) & mask) {
+      auto& entry = entries_[i];
+      if (entry.first == key) {
+        return entry.second;
+      }
+      if (entry.first == nullptr) {
+        entry = {key, slot};
+        ++used_;
+        return slot;
+      }
+    }
+  }
+
+ private:
+  static size_t hash(const void* key) {
+    // Fibonacci hashing of the address, its alignment bits dropped.
+    return static_cast<size_t>((reinterpret_cast<uintptr_t>(key) >> 4) * 0x9E3779B97F4A7C15ull >> 16);
+  }
+
+  void grow() {
+    std::vector<std::pair<const void*, size_t>> old(std::max<size_t>(64, 2 * entries_.size()));
+    old.swap(entries_);
+    used_ = 0;
+    for (const auto& [key, slot] : old) {
+      if (key != nullptr) {
+        find_or_insert(key, slot);
+      }
+    }
+  }
+
+  std::vector<std::pair<const void*, size_t>> entries_;
+  size_t used_ = 0;
+};
+
 // Deterministic slot order of a visited node's saved variables: by TensorArg id (ids follow
 // the collection order; equal ids mean the same tensor, so their relative order is moot).
 using SlotOrder = std::vector<std::pair<std::pair<uint32_t, uintptr_t>, const SavedVariable*>>;
@@ -611,7 +654,7 @@ struct rg_collector {
   // one of its first slot (index into `values`): a compiled replay then takes it as one
   // input, as torch's compiled autograd does. Keyed by the unpacked tensor, which `sources`
   // keeps alive so that its address is not reused by another tensor during the walk.
-  std::unordered_map<const c10::TensorImpl*, size_t> first_slot;
+  SlotTable first_slot;
   std::vector<at::Tensor> sources;
 };
 
@@ -1096,12 +1139,13 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
     at::Tensor value;
     if (arg->defined()) {
       const at::Tensor& source = compiler.tensor_args.inputs[arg->index()];
-      auto [slot, first] = c->first_slot.try_emplace(source.unsafeGetTensorImpl(), c->values.size());
-      if (first) {
+      const size_t slot = c->values.size();
+      const size_t first = c->first_slot.find_or_insert(source.unsafeGetTensorImpl(), slot);
+      if (first == slot) {
         value = detached_value(source);
         c->sources.push_back(source);
       } else {
-        value = c->values[slot->second];
+        value = c->values[first];
       }
     }
     c->svs.push_back(sv);
