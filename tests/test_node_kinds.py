@@ -539,3 +539,48 @@ def test_a_tensor_saved_by_reductions_and_a_scatter(compiler):
         return [], grads_of([w])
 
     compare(run, compiler)
+
+
+class ScalesItsSavedInput(torch.autograd.Function):
+    is_traceable = True
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        (saved,) = ctx.saved_tensors
+        saved.mul_(3)
+        return g * 2
+
+
+@pytest.mark.parametrize(
+    "compiler",
+    [
+        None,
+        pytest.param(
+            "aot_eager",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="a traced Function's backward runs inside the compiled graph, where "
+                "its in-place change of a tensor a later node saved is not checked: the "
+                "later node uses the changed value",
+            ),
+        ),
+    ],
+)
+def test_traced_function_modifying_a_tensor_a_later_node_saved(compiler):
+    def run(backward):
+        torch.manual_seed(0)
+        x = torch.randn(4, requires_grad=True)
+        w = torch.randn(4, requires_grad=True)
+        t = x * 1
+        u = t * w  # MulBackward0 saves t and runs after the Function's backward
+        v = ScalesItsSavedInput.apply(t)
+        with pytest.raises(RuntimeError) as raised:
+            backward(u.sum() + v.sum())
+        return [str(raised.value)], grads_of([x, w])
+
+    compare(run, compiler)

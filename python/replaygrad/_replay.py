@@ -136,6 +136,10 @@ def apply_traced(step: int, inputs: list, saved: list, sizes: list | None = None
                 # Raised on the values being traced, before anything ran: see traced_step.
                 error.__replaygrad_traced_step__ = plan_step  # type: ignore[attr-defined]
         raise
+    if not tracing and run.plan.kind(plan_step) == "python_function":
+        # Its backward is user code: it may modify in place a tensor a later step saved,
+        # which the engine finds when that step unpacks it.
+        _check_saved(plan_step, own=False)
     first = next((o for o in outputs if o is not None), None)
     if isinstance(first, FakeTensor):
         _note_layouts(step, inputs, saved, outputs)
