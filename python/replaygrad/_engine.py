@@ -288,9 +288,9 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
                     f"replaygrad: step {step} of this backward raised while it was being "
                     "compiled, after earlier steps ran; later calls run it as itself"
                 )
-            # The entry stays: the backward itself raised, not its compiler, so what was
-            # compiled serves the next call (a backward that raises on every call, e.g. in a
-            # test of its error, compiles once).
+            # The entry stays (this is no compile failure): what was compiled serves the next
+            # call, so a backward that raises on every call, e.g. in a test of its error,
+            # compiles once.
             # The engine has run the accumulations and retain_grads before the failing step,
             # and released the saved variables of the nodes before it.
             del saved
