@@ -78,13 +78,17 @@ def test_a_backward_raising_on_every_call_compiles_once(compiler, where):
     # E.g. a test of the error in a loop: the replay's compiled regions serve every call.
     counters = torch._dynamo.utils.counters["stats"]
     graphs = []
+
+    def hook(g):
+        raise Boom("hook failed")
+
     for _ in range(4):
         x = torch.randn(3, requires_grad=True)
         h = x.exp() * x
         if where == "function":
             h = Failing.apply(h)
         else:
-            h.register_hook(lambda g: (_ for _ in ()).throw(Boom("hook failed")))
+            h.register_hook(hook)
         loss = (h.sin() * x).sum()
         with pytest.raises(Boom):
             replaygrad.backward(loss, compiler=compiler)
