@@ -206,13 +206,10 @@ _DDP = torch.nn.parallel.DistributedDataParallel
 
 
 def _call(entry: Entry, plan: _core.Plan, config: Config, args: tuple, run: running) -> list:
-    """Calls the entry's replay with ``args``. While the call can still start over, steps
-    that keep the compiler from compiling it are made to run as themselves and the call is
-    made again: steps that met sparse (or other non-strided) tensors only present at run
-    time (e.g. the gradient of ``gather(..., sparse_grad=True)``), and a step whose node
-    raised while being traced (see :func:`traced_step`)."""
-    # A backward inside DDP's forward (e.g. `autograd.grad` of an input): Dynamo would take
-    # the replay for that forward and split it at DDP's gradient buckets (DDPOptimizer).
+    """Calls the entry's replay with ``args`` (see :func:`_call_until_done`), outside any DDP
+    forward: for a backward inside one (e.g. ``autograd.grad`` of an input), Dynamo would
+    take the replay for that forward and split it at DDP's gradient buckets
+    (DDPOptimizer)."""
     ddp = _DDP._active_ddp_module
     _DDP._active_ddp_module = None
     try:
@@ -224,6 +221,11 @@ def _call(entry: Entry, plan: _core.Plan, config: Config, args: tuple, run: runn
 def _call_until_done(
     entry: Entry, plan: _core.Plan, config: Config, args: tuple, run: running
 ) -> list:
+    """Calls the entry's replay with ``args``. While the call can still start over, steps
+    that keep the compiler from compiling it are made to run as themselves and the call is
+    made again: steps that met sparse (or other non-strided) tensors only present at run
+    time (e.g. the gradient of ``gather(..., sparse_grad=True)``), and a step whose node
+    raised while being traced (see :func:`traced_step`)."""
     while True:
         run.breaks = entry.replay.breaks
         try:
