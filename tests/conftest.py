@@ -128,6 +128,11 @@ def assert_replayed(before, calls: int = 1) -> None:
     assert (after.hits + after.misses) - (before.hits + before.misses) == calls
 
 
+def uncompiled_and_failing_aot_eager(reason: str) -> list:
+    """``compiler`` values: None, and "aot_eager" as a strict expected failure."""
+    return [None, pytest.param("aot_eager", marks=pytest.mark.xfail(strict=True, reason=reason))]
+
+
 def counting_backend():
     """A torch.compile backend that counts the graphs it is asked to compile."""
     calls = []

@@ -25,6 +25,7 @@ from conftest import (
     grads_of,
     replay_backward,
     summary,
+    uncompiled_and_failing_aot_eager,
 )
 
 
@@ -175,11 +176,6 @@ def test_retain_grad_with_hooks_before_and_after(compiler):
         return log, grads_of([x, h, k, y])
 
     compare(run, compiler)
-
-
-def uncompiled_and_failing_aot_eager(reason: str) -> list:
-    """``compiler`` values: None, and "aot_eager" as a strict expected failure."""
-    return [None, pytest.param("aot_eager", marks=pytest.mark.xfail(strict=True, reason=reason))]
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from conftest import (
     grads_of,
     replay_backward,
     summary,
+    uncompiled_and_failing_aot_eager,
 )
 
 # ---- Python autograd.Functions -------------------------------------------------------------
@@ -558,18 +559,11 @@ class ScalesItsSavedInput(torch.autograd.Function):
 
 @pytest.mark.parametrize(
     "compiler",
-    [
-        None,
-        pytest.param(
-            "aot_eager",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="a traced Function's backward runs inside the compiled graph, where "
-                "its in-place change of a tensor a later node saved is not checked: the "
-                "later node uses the changed value",
-            ),
-        ),
-    ],
+    uncompiled_and_failing_aot_eager(
+        "a traced Function's backward runs inside the compiled graph, where its in-place "
+        "change of a tensor a later node saved is not checked: the later node uses the "
+        "changed value"
+    ),
 )
 def test_traced_function_modifying_a_tensor_a_later_node_saved(compiler):
     def run(backward):
