@@ -25,6 +25,7 @@
 #include <torch/csrc/utils/torch_dispatch_mode.h>
 
 #include <ATen/SavedTensorHooks.h>
+#include <ATen/record_function.h>
 
 #include <algorithm>
 #include <atomic>
@@ -1231,6 +1232,13 @@ rg_status rg_collector_values_to_list(const rg_collector* c, PyObject** out) {
   RG_CATCH
 }
 
+// The profiler event the engine records around each node it evaluates. Profilers give it the
+// sequence number and forward thread of the node's own event, which must come right after.
+// Its name is only built while something records.
+#define RECORD_EVALUATE_FUNCTION(node)                                                          \
+  RECORD_FUNCTION(c10::str("autograd::engine::evaluate_function: ", (node).name()),             \
+                  c10::ArrayRef<const c10::IValue>())
+
 rg_status rg_node_apply(rg_node* n, const rg_tensor* const* inputs, size_t n_inputs,
                         const rg_sv* const* svs, const rg_tensor* const* saved, size_t n_saved,
                         rg_tensor** out, size_t cap, size_t* n_out) {
@@ -1243,6 +1251,7 @@ rg_status rg_node_apply(rg_node* n, const rg_tensor* const* inputs, size_t n_inp
     swap.swap_in(svs, saved, n_saved);
     at::AutoGradMode grad_mode(false);
     WithoutGil no_gil;
+    RECORD_EVALUATE_FUNCTION(node);
     outputs = node(to_list(inputs, n_inputs));
     validate(node, node.next_edges(), outputs);
   }
@@ -1341,6 +1350,7 @@ rg_status rg_node_accumulate(rg_node* n, rg_tensor* grad) {
   }
   at::AutoGradMode grad_mode(false);
   WithoutGil no_gil;
+  RECORD_EVALUATE_FUNCTION(node);
   node(std::move(inputs));
   RG_CATCH
 }

@@ -265,3 +265,71 @@ def test_backward_inside_a_ddp_forward(process_group, compiler):
     assert_replayed(before, calls=4)
     for e, g in zip(expected, got, strict=True):
         assert torch.equal(e, g)
+
+
+def _profiled_backward(backward) -> list[tuple[str, int]]:
+    """The profiler's events of a small backward, in start order and indented by nesting, with
+    the sequence numbers profilers give them, counted from the forward's first (torch's
+    test_profiler_experimental_tree and test_profiler_seq_nr check the engine's events this
+    way)."""
+    t1, t2 = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+    with torch.profiler.profile() as prof:
+        z = torch.add(t1, t2)
+        loss = ((torch.ones(2) - z) ** 2).sum()
+        backward(loss)
+    events = []
+
+    def walk(event, depth):
+        events.append(("  " * depth + event.name, event.extra_fields.sequence_number))
+        for child in event.children:
+            walk(child, depth + 1)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root, 0)
+    first = events[0][1]
+    assert events[0][0] == "aten::add" and first >= 0
+    return [(name, -1 if seq < 0 else seq - first) for name, seq in events]
+
+
+def test_an_uncompiled_replay_records_the_engines_profiler_events():
+    expected = _profiled_backward(lambda loss: loss.backward())
+    names = [name for name, _ in expected]
+    assert "autograd::engine::evaluate_function: PowBackward0" in names
+    assert "autograd::engine::evaluate_function: torch::autograd::AccumulateGrad" in names
+    before = replaygrad.cache_info()
+    got = _profiled_backward(lambda loss: replaygrad.backward(loss, compiler=None))
+    assert_replayed(before)
+    assert got == expected
+
+
+class _Untraced(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+def test_a_step_run_as_itself_in_a_compiled_replay_is_profiled_as_in_eager():
+    def events(backward):
+        x = torch.randn(3, requires_grad=True)
+        with torch.autograd.profiler.profile() as prof:
+            y = _Untraced.apply(x.exp())
+            backward(y.sum())
+        (forward,) = [e for e in prof.function_events if e.name == "_Untraced"]
+        assert forward.sequence_nr >= 0
+        # The engine's event takes the forward's sequence number and thread.
+        return [
+            (e.sequence_nr == forward.sequence_nr, e.fwd_thread == forward.thread)
+            for e in prof.function_events
+            if e.name == "autograd::engine::evaluate_function: _UntracedBackward"
+        ]
+
+    expected = events(lambda loss: loss.backward())
+    assert expected == [(True, True)]
+    before = replaygrad.cache_info()
+    got = events(lambda loss: replaygrad.backward(loss, compiler="aot_eager"))
+    assert_replayed(before)
+    assert got == expected
