@@ -25,6 +25,19 @@ def _isolated():
     cache.clear()
 
 
+class Doubling(torch.autograd.Function):
+    """``x * 2`` as a Python Function that does not declare itself traceable: a step that
+    runs as itself (a graph break) in compiled replays."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
 def all_nodes(roots: Sequence[torch.Tensor]) -> list:
     """Every grad_fn reachable from the roots (Python walk over next_functions)."""
     seen: dict[int, object] = {}
@@ -147,6 +160,7 @@ def counting_backend():
 __all__ = [
     "COMPILERS",
     "FAST_COMPILERS",
+    "Doubling",
     "all_nodes",
     "assert_grads_equal",
     "assert_replayed",

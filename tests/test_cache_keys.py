@@ -19,6 +19,8 @@ from torch._dynamo.utils import counters
 
 import replaygrad
 
+from conftest import Doubling
+
 COMPILER = "aot_eager"
 
 
@@ -362,16 +364,6 @@ def test_batch_size_changes_compile_at_most_twice():
     assert unique_graphs() <= 2, f"{unique_graphs()} Dynamo graphs for batch sizes {BATCH_SIZES}"
 
 
-class _Scale(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 2
-
-
 def _shape_program(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Nodes that keep sizes (view, expand, sum over dims, mean, softmax, layer_norm, cat,
     index), broadcasting that validate_outputs reduces, an in-place op on a view (CopySlices,
@@ -380,7 +372,7 @@ def _shape_program(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.T
     h = torch.nn.functional.layer_norm(x @ w + b, (w.shape[1],))
     h = h.softmax(-1) * b.view(1, 1, -1)  # broadcast: reduced to b's shape
     h = torch.cat([h, h[:, :1].expand(batch, 1, -1)], dim=1).reshape(batch, -1)
-    h = _Scale.apply(h)
+    h = Doubling.apply(h)
     h = h.clone()
     h[:, 0] *= 3
     return h.sum(1).mean() + h[:, :seq].tanh().mean(0).sum()

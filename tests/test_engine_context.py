@@ -10,7 +10,7 @@ import torch
 
 import replaygrad
 
-from conftest import FAST_COMPILERS, assert_replayed
+from conftest import FAST_COMPILERS, Doubling, assert_replayed
 
 
 @pytest.mark.parametrize("compiler", FAST_COMPILERS)
@@ -302,29 +302,19 @@ def test_an_uncompiled_replay_records_the_engines_profiler_events():
     assert got == expected
 
 
-class _Untraced(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 2
-
-
 def test_a_step_run_as_itself_in_a_compiled_replay_is_profiled_as_in_eager():
     def events(backward):
         x = torch.randn(3, requires_grad=True)
         with torch.autograd.profiler.profile() as prof:
-            y = _Untraced.apply(x.exp())
+            y = Doubling.apply(x.exp())
             backward(y.sum())
-        (forward,) = [e for e in prof.function_events if e.name == "_Untraced"]
+        (forward,) = [e for e in prof.function_events if e.name == "Doubling"]
         assert forward.sequence_nr >= 0
         # The engine's event takes the forward's sequence number and thread.
         return [
             (e.sequence_nr == forward.sequence_nr, e.fwd_thread == forward.thread)
             for e in prof.function_events
-            if e.name == "autograd::engine::evaluate_function: _UntracedBackward"
+            if e.name == "autograd::engine::evaluate_function: DoublingBackward"
         ]
 
     expected = events(lambda loss: loss.backward())

@@ -13,7 +13,7 @@ import torch
 import replaygrad
 from replaygrad._compile import cache
 
-from conftest import assert_grads_equal, assert_same, compare, grads_of, summary
+from conftest import Doubling, assert_grads_equal, assert_same, compare, grads_of, summary
 
 REGION = 4
 
@@ -155,23 +155,13 @@ def test_an_error_in_a_late_region_keeps_the_earlier_accumulations(compiler):
     compare(run, compiler)
 
 
-class NotTraceable(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 2
-
-
 @pytest.mark.parametrize("backend", [None, "aot_eager"])
 def test_graph_breaks_inside_regions_run_the_current_nodes(backend):
     def make(scale):
         leaf = torch.full((4,), scale, requires_grad=True)
         y = leaf
         for i in range(24):
-            y = NotTraceable.apply(y) if i % 5 == 2 else y.sin()
+            y = Doubling.apply(y) if i % 5 == 2 else y.sin()
         return leaf, y.sum()
 
     compiles: list = []
@@ -259,7 +249,7 @@ def early_and_late(graph_break: bool):
     for _ in range(20):
         y = y.sin()
     if graph_break:
-        y = NotTraceable.apply(y)
+        y = Doubling.apply(y)
     return early, late, early.sum() * 2 + y.sum()
 
 
