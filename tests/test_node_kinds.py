@@ -574,7 +574,51 @@ def test_traced_function_modifying_a_tensor_a_later_node_saved(compiler):
         u = t * w  # MulBackward0 saves t and runs after the Function's backward
         v = ScalesItsSavedInput.apply(t)
         with pytest.raises(RuntimeError) as raised:
-            backward(u.sum() + v.sum())
+            # (v.exp(): the Function's gradient is not an expanded one, with which it
+            # would run as itself.)
+            backward(u.sum() + v.exp().sum())
         return [str(raised.value)], grads_of([x, w])
+
+    compare(run, compiler)
+
+
+class MutatesItsGradient(torch.autograd.Function):
+    """A traced Function whose backward changes its incoming gradient in place."""
+
+    is_traceable = True
+    op = staticmethod(lambda g: None)
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        MutatesItsGradient.op(grad)
+        return grad * 1
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+@pytest.mark.parametrize("op", ["mul_", "fill_", "first_fill_"])
+def test_traced_function_mutating_an_expanded_gradient_in_place(compiler, op, monkeypatch):
+    # sum()'s gradient is expanded (stride 0): in eager, mul_ raises (internal overlap) and
+    # fill_ writes every alias. Traced, neither happens (mul_ gave a wrong gradient instead
+    # of the error: functionalization of an in-place op on an expanded tensor); such a step
+    # runs as itself, as a hook given such a gradient does.
+    ops = {
+        "mul_": lambda g: g.mul_(2),
+        "fill_": lambda g: g.fill_(3.0),
+        "first_fill_": lambda g: g[0].fill_(5.0),
+    }
+    monkeypatch.setattr(MutatesItsGradient, "op", staticmethod(ops[op]))
+
+    def run(backward):
+        x = torch.ones(4, requires_grad=True)
+        y = MutatesItsGradient.apply(x * 2).sum()
+        try:
+            backward(y)
+        except RuntimeError as error:
+            return [("error", str(error).splitlines()[0])], []
+        return [], grads_of([x])
 
     compare(run, compiler)

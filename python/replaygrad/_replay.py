@@ -152,6 +152,18 @@ def apply_traced(step: int, inputs: list, saved: list, sizes: list | None = None
     return outputs
 
 
+def apply_function(
+    deferred: list, step: int, inputs: list, saved: list, sizes: list | None = None
+) -> tuple:
+    """A traced Python Function's step (``is_traceable = True``). Its backward is user code:
+    given a gradient with elements sharing memory (see :func:`_overlapping`), where eager
+    raises on in-place ops (``mul_``) or writes every alias (``fill_``), it runs as itself,
+    outside the graph, as hooks given one do. Decided while tracing."""
+    if _overlapping(inputs):
+        return apply_opaque(deferred, step, inputs)
+    return apply_traced(step, inputs, saved, sizes)
+
+
 def _apply_symbolic(plan: _core.Plan, step: int, inputs: list, saved: list, sizes: list) -> tuple:
     """A traced step of torch's run with symbolic lifted sizes. Where the node's formula
     fails on them (a kernel whose fake implementation takes no symbolic sizes, e.g.
@@ -579,6 +591,7 @@ class Replay:
 
 _RUNTIME = {
     "apply_traced": apply_traced,
+    "apply_function": apply_function,
     "apply_opaque": apply_opaque,
     "apply_accumulate": apply_accumulate,
     "cpp_pre_hook": cpp_pre_hook,
@@ -851,7 +864,10 @@ def _region_source(
             c, d = size_ranges[s]
             lifted = f", sizes[{c - sizes_base}:{d - sizes_base}]" if d > c else ""
             saved_k = f"saved[{a - saved_base}:{b - saved_base}]"
-            body.append(f"o{k} = apply_traced({k}, i, {saved_k}{lifted})")
+            if escapes and steps[s][1] == "python_function":
+                body.append(f"o{k} = apply_function(deferred, {k}, i, {saved_k}{lifted})")
+            else:
+                body.append(f"o{k} = apply_traced({k}, i, {saved_k}{lifted})")
         elif mode == "opaque":
             body.append(f"o{k} = apply_opaque(deferred, {k}, i)")
         elif mode == "eager_accumulate":
