@@ -420,6 +420,13 @@ variable_list engine_hook(
     bool accumulate_grad,
     const edge_list& outputs) {
   auto* root = dynamic_cast<const GraphRoot*>(graph_root.get());
+  if (root && root->next_edges().size() == 1) {
+    // Without a compiled-autograd hook the engine starts a single root's node itself, with
+    // no GraphRoot before it, and compute_dependencies never records that node as one of
+    // the graph's: torch._C._will_engine_execute_node says it will not run (and
+    // register_multi_grad_hook counts on that), whether replaygrad runs the call or not.
+    const_cast<GraphTask&>(graph_task).nodes_in_graph_.erase(root->next_edges()[0].function.get());
+  }
   if (!engine_enabled || in_callback || !root) {
     return run_engine(graph_root, graph_task);
   }

@@ -323,3 +323,30 @@ def test_a_step_run_as_itself_in_a_compiled_replay_is_profiled_as_in_eager():
     got = events(lambda loss: replaygrad.backward(loss, compiler="aot_eager"))
     assert_replayed(before)
     assert got == expected
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_a_single_roots_node_is_not_in_the_graph(create_graph):
+    # The engine starts a single root's node with no GraphRoot before it, so that node is
+    # not one of the graph's: _will_engine_execute_node says so, and a multi-grad hook over
+    # the loss and another tensor is called once per tensor. (create_graph=True: the engine
+    # runs the call itself, while replaygrad's engine hook is installed.)
+    def run(backward):
+        x = torch.randn(4, requires_grad=True)
+        a = x.exp()
+        loss = (a * 2).sum()
+        will, calls = [], []
+        a.register_hook(lambda g: will.append(torch._C._will_engine_execute_node(loss.grad_fn)))
+        torch.autograd.graph.register_multi_grad_hook(
+            (loss, a), lambda grads: calls.append([g is None for g in grads])
+        )
+        backward(loss)
+        return will, calls
+
+    expected = run(lambda loss: loss.backward(create_graph=create_graph))
+    assert expected == ([False], [[False, True], [True, False]])
+    before = replaygrad.cache_info()
+    got = run(lambda loss: replaygrad.backward(loss, create_graph=create_graph, compiler=None))
+    assert_replayed(before, calls=0 if create_graph else 1)
+    assert got == expected
