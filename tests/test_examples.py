@@ -52,6 +52,23 @@ def test_environment_variable_enables_an_unmodified_script(tmp_path):
     assert run([str(script)], env={"REPLAYGRAD": "0"}).strip() == "replayed None"
 
 
+def test_environment_variable_naming_no_compiler_says_so(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "REPLAYGRAD": "indutor"},
+        timeout=600,
+    )
+    # Imported (to read the name), not enabled: no backward went through it.
+    assert result.returncode == 0 and result.stdout.strip() == "replayed 0"
+    assert "Traceback" not in result.stderr and result.stderr.count("REPLAYGRAD=") == 1
+    assert result.stderr.startswith("replaygrad: REPLAYGRAD='indutor' ignored, replaygrad is off:")
+    assert "unknown compiler 'indutor'" in result.stderr
+
+
 def test_module_runner(tmp_path):
     # The script imports a module next to it, as `python train.py` allows.
     (tmp_path / "helper.py").write_text("VALUE = 3\n")

@@ -4,12 +4,14 @@
 interpreter start-up when the variable is set; it enables replaygrad on the main thread for
 the life of the process. Values: a torch.compile backend name (``inductor``, ``aot_eager``,
 ...), ``1``/``on`` for the default (inductor), ``none`` for the uncompiled replay; ``0``,
-``off`` or empty leave replaygrad off.
+``off`` or empty leave replaygrad off. An unknown compiler name leaves it off too, with a
+message on stderr.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 _OFF = {"", "0", "off", "false", "no"}
 _DEFAULT = {"1", "on", "true", "yes"}
@@ -33,7 +35,16 @@ def enable_from_environment() -> bool:
     from ._compile import Config
     from ._engine import routed
 
-    routed(Config.make(parse_compiler(value), {})).__enter__()
+    try:
+        config = Config.make(parse_compiler(value), {})
+    except ValueError as error:
+        # Start-up cannot be stopped from here (site reports a traceback and goes on): one
+        # line saying why replaygrad stays off.
+        print(
+            f"replaygrad: REPLAYGRAD={value!r} ignored, replaygrad is off: {error}", file=sys.stderr
+        )
+        return False
+    routed(config).__enter__()
     return True
 
 
