@@ -10,6 +10,7 @@ scalars of tensor ops are replay inputs).
 from __future__ import annotations
 
 import gc
+import logging
 import weakref
 
 import pytest
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import replaygrad
+from replaygrad import _engine
 
 from conftest import Doubling
 
@@ -95,6 +97,27 @@ def test_scalar_of_an_op(name):
         assert_like_eager(lambda w, k=k: op(w, k).sum(), [w])
     entries = 2 if k1 != k2 else 1
     assert lookups() == (entries, 4 - entries)
+
+
+def test_a_scalar_changed_every_call_compiles_up_to_dynamos_recompile_limit(monkeypatch, caplog):
+    # clamp's bounds are node state, part of the key: a loop that changes them on every call
+    # (e.g. an annealed clip range) would compile a new replay on every call. Past Dynamo's
+    # recompile limit for one graph shape, new variants run in the engine, with a warning;
+    # the variants compiled before still replay.
+    monkeypatch.setattr(_engine, "_eager_reasons_logged", set())
+    w = torch.linspace(-1, 1, 6, requires_grad=True)
+    with torch._dynamo.config.patch(recompile_limit=3), caplog.at_level(logging.WARNING):
+        for i in range(6):
+            bound = 0.2 + 0.1 * i
+            assert_like_eager(lambda w, b=bound: (w * 2).clamp(-b, b).sum(), [w])
+        assert lookups() == (3, 0)
+        assert_like_eager(lambda w: (w * 2).clamp(-0.2, 0.2).sum(), [w])
+        assert lookups() == (3, 1)
+        # Another shape has a limit of its own.
+        assert_like_eager(lambda w: (w * 2).clamp(-0.9, 0.9).exp().sum(), [w])
+        assert lookups() == (4, 1)
+    warnings = [r for r in caplog.records if "recompile_limit" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
 
 
 # ---- custom Functions --------------------------------------------------------------------

@@ -183,8 +183,13 @@ class ReplayCache:
     _regions: weakref.WeakValueDictionary[tuple[Config, str], _Compiled] = field(
         default_factory=weakref.WeakValueDictionary
     )
+    #: Keys of the replays compiled per (config, plan shape) (see :func:`plan_shape`).
+    _variants: dict[tuple[Config, bytes], set[str]] = field(default_factory=dict)
 
-    def get(self, plan: _core.Plan, config: Config) -> Entry:
+    def get(self, plan: _core.Plan, config: Config) -> Entry | None:
+        """The cached replay of ``plan``, compiled if it is new; None when the plan's shape
+        has had :func:`recompile_limit` replays compiled already (see :func:`plan_shape`):
+        the engine then runs the call."""
         key = (config, plan.key)
         with self._lock:
             entry = self._entries.get(key)
@@ -194,6 +199,12 @@ class ReplayCache:
                 cache_log.debug("hit %s (%d steps)", plan.key, plan.num_steps)
                 return entry
             latest = next((e for (c, _), e in reversed(self._entries.items()) if c == config), None)
+            if config.compiler is not None:
+                variants = self._variants.setdefault((config, plan_shape(plan)), set())
+                if plan.key not in variants:
+                    if len(variants) >= recompile_limit():
+                        return None
+                    variants.add(plan.key)
         if latest is not None and recompiles_log.isEnabledFor(10):
             recompiles_log.debug(
                 "new replay for key %s: %s",
@@ -316,10 +327,26 @@ class ReplayCache:
         with self._lock:
             self._entries.clear()
             self._regions.clear()
+            self._variants.clear()
             self.hits = self.misses = 0
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def plan_shape(plan: _core.Plan) -> bytes:
+    """What a plan's key is made of but the steps' specialisations (the non-tensor state
+    their nodes report, e.g. a ``clamp`` bound, and the sizes kept in the key): plans of one
+    shape differ only in values a compiled replay is specialised on, such as a scalar a
+    training loop anneals."""
+    digests = plan.step_digests()
+    return b"".join(digests[i : i + 16] for i in range(0, len(digests), 24))
+
+
+def recompile_limit() -> int:
+    """How many replays of one plan shape are compiled: Dynamo's recompile limit (8 by
+    default), after which it also leaves a function to run uncompiled."""
+    return int(torch._dynamo.config.recompile_limit)
 
 
 def _region_size_from_env() -> int | None:

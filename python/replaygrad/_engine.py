@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from . import _core
-from ._compile import Config, Entry, cache
+from ._compile import Config, Entry, cache, recompile_limit
 from ._explain import table
 from ._logging import Lazy, log, plan_log
 from ._replay import hook_arguments, node_error, non_strided_steps, running, traced_step
@@ -269,6 +269,16 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
         # between steps, so a graph with one runs uncompiled as well.
         config = Config(None, fallback=config.fallback)
     entry = cache.get(plan, config)
+    if entry is None:
+        reason = (
+            f"{recompile_limit()} replays of one graph shape with other node state (e.g. a "
+            "scalar argument that changes every call) were compiled already "
+            "(torch._dynamo.config.recompile_limit); the engine runs new variants"
+        )
+        if reason not in _eager_reasons_logged:
+            _eager_reasons_logged.add(reason)
+            log.warning("replaygrad: %s", reason)
+        return None
     if entry.failed:
         _leave_to_engine(f"compiling the replay of plan {plan.key} failed before")
         return None
