@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -170,6 +173,25 @@ def test_recompile_reason_names_the_changed_part(caplog):
     replaygrad.backward(torch.addcmul(w, w, w, value=3.0).sum(), compiler=None)
     (message,) = [r.getMessage() for r in caplog.records if r.name == "replaygrad.recompiles"]
     assert "step 1 (AddcmulBackward0): specialization" in message
+
+
+def test_logs_variable_enables_only_the_channels_it_names():
+    script = (
+        "import torch, replaygrad\n"
+        "w = torch.randn(3, requires_grad=True)\n"
+        "for value in (2.0, 3.0):\n"
+        "    replaygrad.backward(torch.addcmul(w, w, w, value=value).sum(), compiler=None)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "REPLAYGRAD_LOGS": "recompiles"},
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    channels = {line.split("]")[0] + "]" for line in result.stderr.splitlines() if line[:1] == "["}
+    assert channels == {"[replaygrad.recompiles]"}, result.stderr
 
 
 def test_configure_rejects_unknown_channels():

@@ -7,7 +7,8 @@ call did not hit the cache: which step and which part of its key changed).
 
 ``REPLAYGRAD_LOGS`` turns them on without code, in the spirit of ``TORCH_LOGS``: a comma
 separated list of ``plan``, ``source``, ``cache``, ``recompiles``, ``all``; each name enables
-DEBUG on that logger and a stderr handler on ``replaygrad`` if it has none.
+DEBUG on that logger, and a stderr handler on ``replaygrad`` if it has none (with
+``replaygrad`` itself at INFO, so that the channels not named stay quiet).
 """
 
 from __future__ import annotations
@@ -59,8 +60,10 @@ def configure(spec: str | None) -> list[str]:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
         log.addHandler(handler)
-        if log.level == logging.NOTSET or log.level > logging.DEBUG:
-            log.setLevel(logging.DEBUG)
+        # The channels take their level from here unless named: INFO keeps their DEBUG
+        # records out, and lets replaygrad's notices through.
+        if log.level == logging.NOTSET or log.level > logging.INFO:
+            log.setLevel(logging.INFO)
     return names
 
 
