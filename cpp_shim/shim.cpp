@@ -1035,6 +1035,34 @@ static bool append_ctx_state(PyObject* ctx, std::vector<uint8_t>& key) {
   return plain;
 }
 
+// A Python Function's backward sees its saved tensors as the Python objects it saved: one of
+// a subclass (whose __torch_function__ runs there) or with attributes of its own would be a
+// plain tensor in a compiled replay, so a node that saved one runs as itself.
+static bool plain_saved_objects(const SavedVariableMap& unpacked,
+                                const std::vector<at::Tensor>& tensors) {
+  PyGILState_STATE gil = PyGILState_Ensure();
+  bool plain = true;
+  for (const auto& [sv, arg] : unpacked) {
+    if (!arg->defined()) {
+      continue;
+    }
+    PyObject* obj = tensors[arg->index()].unsafeGetTensorImpl()->pyobj_slot()->load_pyobj();
+    if (!obj) {
+      continue;
+    }
+    auto* type = Py_TYPE(obj);
+    PyObject** dict = _PyObject_GetDictPtr(obj);
+    if ((type != reinterpret_cast<PyTypeObject*>(THPVariableClass) &&
+         type != reinterpret_cast<PyTypeObject*>(ParameterClass)) ||
+        (dict && *dict && PyDict_GET_SIZE(*dict) > 0)) {
+      plain = false;
+      break;
+    }
+  }
+  PyGILState_Release(gil);
+  return plain;
+}
+
 // Inference tensors have no version counter (and are never modified behind autograd's back).
 static uint32_t version_of(const at::Tensor& value) {
   c10::TensorImpl* impl = value.unsafeGetTensorImpl();
@@ -1125,7 +1153,8 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
   auto node_key = args.key();
   c->key.assign(node_key.key, node_key.key + node_key.key_size);
   if (kind_of(node) == RG_NODE_PYTHON &&
-      !append_ctx_state(static_cast<torch::autograd::PyNode&>(node).pyobj(), c->key)) {
+      (!append_ctx_state(static_cast<torch::autograd::PyNode&>(node).pyobj(), c->key) ||
+       !plain_saved_objects(unpacked, compiler.tensor_args.inputs))) {
     return opaque();
   }
   // A generated node's sizes can be lifted (see rg_node_apply_lifted).

@@ -622,3 +622,75 @@ def test_traced_function_mutating_an_expanded_gradient_in_place(compiler, op, mo
         return [], grads_of([x])
 
     compare(run, compiler)
+
+
+class ScaledParameter(torch.nn.Parameter):
+    """Products with it are scaled by 10: a __torch_function__ subclass."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if func in (torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__):
+            out = out.as_subclass(torch.Tensor) * 10
+        return out
+
+
+class MulBySaved(torch.autograd.Function):
+    """A traced Function whose backward depends on the object it saved (no ctx state: that
+    alone would make it run as itself)."""
+
+    is_traceable = True
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w.as_subclass(torch.Tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _, w = ctx.saved_tensors
+        return w * grad * (3 if getattr(w, "tag", None) == "w" else 1), None
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+@pytest.mark.parametrize("kind", ["subclass", "attribute"])
+def test_traced_function_saving_a_subclass_or_an_attributed_tensor(compiler, kind):
+    # Its backward sees what it saved: a __torch_function__ subclass runs its override there
+    # (here a 10x product), an attribute set on the tensor is there (here a 3x factor). A
+    # compiled replay would give it plain traced tensors, so such a node runs as itself.
+    def run(backward):
+        torch.manual_seed(0)
+        w = torch.randn(3)
+        if kind == "subclass":
+            w = ScaledParameter(w)
+        else:
+            w.tag = "w"
+        x = torch.randn(3, requires_grad=True)
+        backward((MulBySaved.apply(x.exp(), w) * 2).sum())
+        return [], grads_of([x])
+
+    compare(run, compiler)
+
+
+def test_uncompiled_traced_function_gets_the_tensors_it_saved():
+    # Uncompiled, a traced Function runs for real: ctx.saved_tensors are the very objects.
+    class Identity(torch.autograd.Function):
+        is_traceable = True
+
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(w)
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, grad):
+            (saved,) = ctx.saved_tensors
+            seen.append((saved is w, saved.grad_fn is not None))
+            return grad * 1, None
+
+    seen = []
+    x = torch.randn(3, requires_grad=True)
+    w = x.exp()
+    loss = (Identity.apply(x, w) * 2).sum() + w.sum()
+    replay_backward(None)(loss)
+    assert seen == [(True, True)]

@@ -124,9 +124,14 @@ def apply_traced(step: int, inputs: list, saved: list, sizes: list | None = None
     run = _running()
     # Only a step run for real is reached (tracing runs a region's steps before any runs).
     plan_step = run.base + step if tracing else _step(step)
+    function = not tracing and run.plan.kind(plan_step) == "python_function"
     try:
         if tracing and sizes is not None and any(isinstance(v, torch.SymInt) for v in sizes):
             outputs = _apply_symbolic(run.plan, plan_step, inputs, saved, sizes)
+        elif function:
+            # Run for real, a Python Function's backward gets the tensors it saved, the very
+            # objects (ctx.saved_tensors), as in eager: not the replay's detached values.
+            outputs = run.plan.apply(plan_step, inputs)
         else:
             outputs = run.plan.apply(plan_step, inputs, saved)
     except Exception as error:
@@ -136,7 +141,7 @@ def apply_traced(step: int, inputs: list, saved: list, sizes: list | None = None
                 # Raised on the values being traced, before anything ran: see traced_step.
                 error.__replaygrad_traced_step__ = plan_step  # type: ignore[attr-defined]
         raise
-    if not tracing and run.plan.kind(plan_step) == "python_function":
+    if function:
         # Its backward is user code: it may modify in place a tensor a later step saved,
         # which the engine finds when that step unpacks it.
         _check_saved(plan_step, own=False)
