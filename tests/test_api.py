@@ -13,6 +13,8 @@ import torch
 import replaygrad
 from replaygrad import _core
 
+from conftest import counting_backend
+
 
 def loss_of(w):
     return (w.exp() * w).sum()
@@ -223,6 +225,24 @@ def test_grad_is_grads_batched():
     w = torch.randn(3, requires_grad=True)
     expected = torch.autograd.grad(w * w, w, torch.eye(3), is_grads_batched=True)
     got = replaygrad.grad(w * w, w, torch.eye(3), is_grads_batched=True, compiler=None)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_batched_root_gradients_replay_uncompiled():
+    # is_grads_batched=True runs the call under legacy vmap: its root gradients are batched
+    # tensors, plain torch.Tensor to Python, which Dynamo cannot fake (it warned and fell
+    # back frame by frame). The replay runs uncompiled, with eager's values.
+    backend, graphs = counting_backend()
+    compiler = torch.compile(backend=backend)
+    w = torch.randn(3, requires_grad=True)
+    expected = torch.autograd.grad(w.sin() * w.exp(), w, torch.eye(3), is_grads_batched=True)
+    before = replaygrad.cache_info()
+    got = replaygrad.grad(
+        w.sin() * w.exp(), w, torch.eye(3), is_grads_batched=True, compiler=compiler
+    )
+    after = replaygrad.cache_info()
+    assert after.hits + after.misses > before.hits + before.misses
+    assert graphs == []
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 

@@ -185,11 +185,16 @@ def _engine_only_reason() -> str | None:
 _PLAIN_VALUES = frozenset({torch.Tensor, torch.nn.Parameter, type(None)})
 
 
-def _tensor_subclasses(grads: tuple, saved: list) -> bool:
-    """Whether root gradients or saved values of the call are tensor subclasses."""
+_batched = torch._C._functorch.is_legacy_batchedtensor
+
+
+def _unfakeable(grads: tuple, saved: list) -> bool:
+    """Whether root gradients or saved values of the call are values Dynamo cannot fake:
+    tensor subclasses, or root gradients batched by ``is_grads_batched=True`` (legacy vmap:
+    plain tensors to Python)."""
     return not (
         _PLAIN_VALUES.issuperset(map(type, grads)) and _PLAIN_VALUES.issuperset(map(type, saved))
-    )
+    ) or any(g is not None and _batched(g) for g in grads)
 
 
 def _graphs_compiled() -> int:
@@ -262,7 +267,7 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
     plan_log.debug("plan:\n%s", Lazy(lambda: table(plan)))
     grads = plan.root_grads()
     saved = plan.saved_values()
-    if config.compiler is not None and (plan.nested_inputs or _tensor_subclasses(grads, saved)):
+    if config.compiler is not None and (plan.nested_inputs or _unfakeable(grads, saved)):
         # Dynamo cannot fake such tensors (e.g. LoggingTensor): every step would be a graph
         # break and a frame of its own to compile, so the replay runs uncompiled. Nor can it
         # resume after a graph break with a nested tensor, a gradient the replay passes
