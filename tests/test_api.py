@@ -213,10 +213,11 @@ def test_cache_info_reset_and_size():
         assert (info.misses, info.size, info.maxsize) == (3, 2, 2)
         replaygrad.reset()
         assert replaygrad.cache_info() == (0, 0, 0, 2)
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="cache size"):
             replaygrad.set_cache_size(0)
-        with pytest.raises(ValueError):
-            replaygrad.set_cache_size(True)
+        for bad in (True, "5", 2.0):
+            with pytest.raises(TypeError, match="cache size"):
+                replaygrad.set_cache_size(bad)
     finally:
         replaygrad.set_cache_size(256)
 
@@ -244,6 +245,36 @@ def test_batched_root_gradients_replay_uncompiled():
     assert after.hits + after.misses > before.hits + before.misses
     assert graphs == []
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_plan_checks_its_arguments_as_torch_does():
+    w = torch.randn(3, requires_grad=True)
+    loss = loss_of(w)
+    for tensors in ("loss", 3, ["loss"]):
+        with pytest.raises(TypeError, match="tensors must be"):
+            replaygrad.plan(tensors)
+    with pytest.raises(TypeError, match="tensors must be"):
+        replaygrad.explain("loss")
+    for inputs, error in (([], RuntimeError), ([torch.randn(3)], RuntimeError)):
+        with pytest.raises(error) as ours:
+            replaygrad.plan(loss, inputs)
+        with pytest.raises(error) as torchs:
+            torch.autograd.grad(loss, inputs, retain_graph=True)
+        assert str(ours.value) == str(torchs.value)
+
+
+def test_deprecated_arguments_are_passed_on():
+    # torch warns about them and goes on.
+    w = torch.randn(3, requires_grad=True)
+    with pytest.warns(FutureWarning, match="grad_variables"):
+        replaygrad.backward(loss_of(w), grad_variables=torch.tensor(2.0), compiler=None)
+    expected = w.grad.clone()
+    w.grad = None
+    loss_of(w).backward(torch.tensor(2.0))
+    assert torch.equal(w.grad, expected)
+    with pytest.warns(FutureWarning, match="only_inputs"):
+        (got,) = replaygrad.grad(loss_of(w), w, only_inputs=False, compiler=None)
+    assert torch.equal(got, torch.autograd.grad(loss_of(w), w)[0])
 
 
 def test_plan_takes_gradient_edges():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import replaygrad
+from replaygrad import _engine
 
 from conftest import COMPILERS, FAST_COMPILERS, assert_grads_equal, grads_of
 
@@ -136,6 +137,35 @@ def test_compiler_callable_that_raises_or_returns_garbage():
     with pytest.raises(TypeError, match="not a callable"):
         replaygrad.backward(loss, compiler=lambda fn: 42)
     assert x.grad is None and w.grad is None
+
+
+@pytest.mark.parametrize("bad", ["raising", "garbage"])
+def test_compiler_callable_failing_names_the_plan_or_falls_back(bad, caplog, monkeypatch):
+    # The callable fails when given the replay, before anything of the call ran: as with
+    # any compile failure, the error names the plan, or the engine runs the call.
+    monkeypatch.setattr(_engine, "_eager_reasons_logged", set())
+
+    def compiler(fn):
+        if bad == "raising":
+            raise Boom("no compiler today")
+        return 42
+
+    error = Boom if bad == "raising" else TypeError
+    x, w, _h, loss = graph()
+    key = replaygrad.plan(loss).key
+    with pytest.raises(error) as info:
+        replaygrad.backward(loss, retain_graph=True, compiler=compiler)
+    assert any(key in note for note in info.value.__notes__)
+    assert x.grad is None and w.grad is None
+    caplog.set_level(logging.WARNING, logger="replaygrad")
+    for _ in range(2):
+        x, w, _h, loss = graph()
+        replaygrad.backward(loss, compiler=compiler, fallback="eager")
+        ex, ew = expected_grads(x, w)
+        torch.testing.assert_close(x.grad, ex)
+        torch.testing.assert_close(w.grad, ew)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and key in warnings[0].getMessage()
 
 
 def test_bad_fallback_value():

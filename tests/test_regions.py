@@ -209,9 +209,12 @@ def test_fullgraph_with_a_traced_hook_in_a_region():
     assert_same(expected[0], a.grad, False, "grad")
 
 
-@pytest.mark.parametrize("bad", [0, -3, 2.5, "4", True])
-def test_region_size_must_be_a_positive_int(bad):
-    with pytest.raises(ValueError, match="region size"):
+@pytest.mark.parametrize(
+    "bad, error",
+    [(0, ValueError), (-3, ValueError), (2.5, TypeError), ("4", TypeError), (True, TypeError)],
+)
+def test_region_size_must_be_a_positive_int(bad, error):
+    with pytest.raises(error, match="region size"):
         replaygrad.set_region_size(bad)
 
 

@@ -23,6 +23,7 @@ def backward(
     *,
     retain_graph: bool | None = None,
     create_graph: bool = False,
+    grad_variables: TensorOrTensors | Sequence[torch.Tensor | None] | None = None,
     inputs: TensorOrTensors | None = None,
     compiler: Compiler = "inductor",
     fallback: str | None = None,
@@ -38,14 +39,16 @@ def backward(
         retain_graph: keep the graph's saved values for another backward; defaults to
             ``create_graph``.
         create_graph: build a graph of the gradients (the engine runs such calls).
+        grad_variables: torch's deprecated name of ``grad_tensors``.
         inputs: accumulate only into these tensors (or GradientEdges), as in torch.
         compiler: a torch.compile backend name (e.g. ``"inductor"``, ``"aot_eager"``), a
             callable that compiles a function (e.g. ``torch.compile(fullgraph=True)``), or
             ``None`` to run the replay uncompiled.
         fallback: ``"eager"`` to have the engine run a call whose replay fails to compile
             (and later calls with the same plan), logged as a warning; by default the error
-            is raised with the plan's key. Python hooks and opaque nodes that ran before the
-            failure run again.
+            is raised with the plan's key. A failure after parts of the call ran (a later
+            region compiled when reached) cannot be run again by the engine: it is raised,
+            and later calls with the plan run in the engine.
         **compile_options: passed to ``torch.compile`` with a backend name (``mode=``,
             ``dynamic=``, ``fullgraph=``, ``options=``).
     """
@@ -55,6 +58,7 @@ def backward(
             grad_tensors,
             retain_graph=retain_graph,
             create_graph=create_graph,
+            grad_variables=grad_variables,
             inputs=inputs,
         )
 
@@ -66,6 +70,7 @@ def grad(
     *,
     retain_graph: bool | None = None,
     create_graph: bool = False,
+    only_inputs: bool = True,
     allow_unused: bool | None = None,
     is_grads_batched: bool = False,
     materialize_grads: bool = False,
@@ -75,7 +80,8 @@ def grad(
 ) -> tuple[torch.Tensor | None, ...]:
     """Computes and returns the gradients of ``outputs`` w.r.t. ``inputs``, like
     :func:`torch.autograd.grad` (no ``.grad`` is written), by replaying the backward graph
-    compiled with ``compiler`` (see :func:`backward`)."""
+    compiled with ``compiler`` (see :func:`backward`). ``only_inputs`` is torch's deprecated
+    argument, passed on."""
     with routed(Config.make(compiler, compile_options, fallback)):
         return torch.autograd.grad(
             outputs,
@@ -83,6 +89,7 @@ def grad(
             grad_outputs,
             retain_graph=retain_graph,
             create_graph=create_graph,
+            only_inputs=only_inputs,
             allow_unused=allow_unused,
             is_grads_batched=is_grads_batched,
             materialize_grads=materialize_grads,
@@ -165,21 +172,36 @@ class Plan:
 def plan(tensors: TensorOrTensors, inputs: TensorOrTensors | None = None) -> Plan:
     """Plans the backward of ``tensors`` (with respect to ``inputs`` if given, as
     ``autograd.grad`` would) without running it."""
-    roots = _as_tuple(tensors)
+    roots = _as_tuple(tensors, "tensors")
     if inputs is None:
         return Plan(_core.plan(roots))
-    return Plan(_core.plan(roots, _as_tuple(inputs), False))
+    edges = _as_tuple(inputs, "inputs")
+    # What torch.autograd.grad checks of its inputs.
+    if not edges:
+        raise RuntimeError("`inputs` argument to `grad()` cannot be empty.")
+    if any(isinstance(e, torch.Tensor) and not e.requires_grad for e in edges):
+        raise RuntimeError("One of the differentiated Tensors does not require grad")
+    return Plan(_core.plan(roots, edges, False))
 
 
-def _as_tuple(values: Any) -> tuple:
+def _as_tuple(values: Any, name: str) -> tuple:
     """Tensors or GradientEdges, one or several, as the tuple ``_core.plan`` takes (edges
     as ``(node, output_nr)``)."""
-    if isinstance(values, (torch.Tensor, torch.autograd.graph.GradientEdge)):
+    edge = torch.autograd.graph.GradientEdge
+    if isinstance(values, (torch.Tensor, edge)):
         values = (values,)
-    return tuple(
-        (v.node, v.output_nr) if isinstance(v, torch.autograd.graph.GradientEdge) else v
-        for v in values
-    )
+    if not isinstance(values, Sequence) or isinstance(values, str):
+        raise TypeError(
+            f"{name} must be a Tensor, a GradientEdge or a sequence of them, "
+            f"got {type(values).__name__}"
+        )
+    for v in values:
+        if not isinstance(v, (torch.Tensor, edge)):
+            raise TypeError(
+                f"{name} must be Tensors or GradientEdges, got an element of type "
+                f"{type(v).__name__}"
+            )
+    return tuple((v.node, v.output_nr) if isinstance(v, edge) else v for v in values)
 
 
 def explain(tensors: TensorOrTensors) -> str:

@@ -112,22 +112,36 @@ def check_compiler(compiler: Compiler) -> None:
 
 
 def _compile(fn: Callable[..., Any], config: Config) -> Callable[..., Any]:
+    """``fn`` compiled with ``config``. What the compiler raises here (a compiler callable
+    failing, ``torch.compile`` rejecting its options) is marked as a compile failure (see
+    :func:`compile_failed`)."""
     compiler = config.compiler
     if compiler is None:
         return fn
-    if isinstance(compiler, str):
-        kwargs = config.kwargs
-        if compiler == "inductor" and "mode" not in kwargs:
-            # Inductor asserts every input's sizes and strides on each call, which Dynamo's
-            # guards have just checked: a replay has hundreds of inputs (its saved values).
-            kwargs = {**kwargs, "options": {"size_asserts": False, **(kwargs.get("options") or {})}}
-        return torch.compile(fn, backend=compiler, **kwargs)
-    compiled = compiler(fn)
-    if not callable(compiled):
-        raise TypeError(
-            f"the compiler {compiler!r} returned {type(compiled).__name__}, not a callable"
-        )
-    return compiled
+    try:
+        if isinstance(compiler, str):
+            kwargs = config.kwargs
+            if compiler == "inductor" and "mode" not in kwargs:
+                # Inductor asserts every input's sizes and strides on each call, which
+                # Dynamo's guards have just checked: a replay has hundreds of inputs (its
+                # saved values).
+                options = {"size_asserts": False, **(kwargs.get("options") or {})}
+                kwargs = {**kwargs, "options": options}
+            return torch.compile(fn, backend=compiler, **kwargs)
+        compiled = compiler(fn)
+        if not callable(compiled):
+            raise TypeError(
+                f"the compiler {compiler!r} returned {type(compiled).__name__}, not a callable"
+            )
+        return compiled
+    except Exception as error:
+        error.__replaygrad_compile_failed__ = True  # type: ignore[attr-defined]
+        raise
+
+
+def compile_failed(error: BaseException) -> bool:
+    """Whether ``error`` was raised by the compiler while it compiled a replay's region."""
+    return getattr(error, "__replaygrad_compile_failed__", False)
 
 
 @dataclass
@@ -199,12 +213,11 @@ class ReplayCache:
                 cache_log.debug("hit %s (%d steps)", plan.key, plan.num_steps)
                 return entry
             latest = next((e for (c, _), e in reversed(self._entries.items()) if c == config), None)
+            variants = None
             if config.compiler is not None:
                 variants = self._variants.setdefault((config, plan_shape(plan)), set())
-                if plan.key not in variants:
-                    if len(variants) >= recompile_limit():
-                        return None
-                    variants.add(plan.key)
+                if plan.key not in variants and len(variants) >= recompile_limit():
+                    return None
         if latest is not None and recompiles_log.isEnabledFor(10):
             recompiles_log.debug(
                 "new replay for key %s: %s",
@@ -224,6 +237,8 @@ class ReplayCache:
         with self._lock:
             self.misses += 1
             self._entries[key] = entry
+            if variants is not None:
+                variants.add(plan.key)
             while len(self._entries) > self.maxsize:
                 self._entries.popitem(last=False)
         cache_log.debug("miss %s (%d steps): compiled a new replay", plan.key, plan.num_steps)
@@ -302,10 +317,8 @@ class ReplayCache:
         return replay
 
     def set_region_size(self, steps: int | None) -> None:
-        if steps is not None and (
-            not isinstance(steps, int) or isinstance(steps, bool) or steps < 1
-        ):
-            raise ValueError(f"region size must be a positive int or None, got {steps!r}")
+        if steps is not None:
+            _check_positive_int(steps, "region size", " or None")
         self.region_size = steps
 
     def discard(self, config: Config, key: str) -> None:
@@ -316,8 +329,7 @@ class ReplayCache:
         return CacheInfo(self.hits, self.misses, len(self._entries), self.maxsize)
 
     def resize(self, maxsize: int) -> None:
-        if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 1:
-            raise ValueError(f"cache size must be a positive int, got {maxsize!r}")
+        _check_positive_int(maxsize, "cache size")
         with self._lock:
             self.maxsize = maxsize
             while len(self._entries) > maxsize:
@@ -332,6 +344,14 @@ class ReplayCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _check_positive_int(value: Any, what: str, alternative: str = "") -> None:
+    """TypeError for a value that is no int, ValueError for one below 1."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{what} must be a positive int{alternative}, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{what} must be a positive int{alternative}, got {value!r}")
 
 
 def plan_shape(plan: _core.Plan) -> bytes:

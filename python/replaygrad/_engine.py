@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from . import _core
-from ._compile import Config, Entry, cache, recompile_limit
+from ._compile import Config, Entry, cache, compile_failed, recompile_limit
 from ._explain import table
 from ._logging import Lazy, log, plan_log
 from ._replay import hook_arguments, node_error, non_strided_steps, running, traced_step
@@ -273,7 +273,28 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
         # resume after a graph break with a nested tensor, a gradient the replay passes
         # between steps, so a graph with one runs uncompiled as well.
         config = Config(None, fallback=config.fallback)
-    entry = cache.get(plan, config)
+    try:
+        entry = cache.get(plan, config)
+    except Exception as error:
+        if not compile_failed(error):
+            raise
+        # The compiler failed when given the replay (nothing of the call ran).
+        if config.fallback == "eager":
+            reason = f"compiling the replay of plan {plan.key} failed"
+            if reason not in _eager_reasons_logged:
+                _eager_reasons_logged.add(reason)
+                log.warning(
+                    "replaygrad: %s (%s: %s); the engine runs such calls",
+                    reason,
+                    type(error).__name__,
+                    str(error).splitlines()[0] if str(error) else "",
+                )
+            return None
+        error.add_note(
+            f"replaygrad: while compiling the replay of plan {plan.key} with "
+            f"{config.compiler!r}; enable(..., fallback='eager') runs such calls in the engine"
+        )
+        raise
     if entry is None:
         reason = (
             f"{recompile_limit()} replays of one graph shape with other node state (e.g. a "
