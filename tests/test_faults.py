@@ -113,16 +113,21 @@ def test_compile_failure_names_the_plan():
     assert replaygrad.cache_info().size == 0
 
 
-def test_compile_failure_falls_back_to_the_engine(caplog):
-    compiled = torch.compile(backend=failing_backend)
+def falls_back_to_the_engine(compiler, caplog) -> list[logging.LogRecord]:
+    """Two backward calls with ``compiler`` and ``fallback="eager"`` give eager's gradients;
+    returns the warnings logged."""
     caplog.set_level(logging.WARNING, logger="replaygrad")
     for _ in range(2):
         x, w, _h, loss = graph()
-        replaygrad.backward(loss, compiler=compiled, fallback="eager")
+        replaygrad.backward(loss, compiler=compiler, fallback="eager")
         ex, ew = expected_grads(x, w)
         torch.testing.assert_close(x.grad, ex)
         torch.testing.assert_close(w.grad, ew)
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    return [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_compile_failure_falls_back_to_the_engine(caplog):
+    warnings = falls_back_to_the_engine(torch.compile(backend=failing_backend), caplog)
     assert len(warnings) == 1 and "failed" in warnings[0].getMessage()
     assert replaygrad.cache_info().size == 1  # remembered as failed: no second compile
 
@@ -157,14 +162,7 @@ def test_compiler_callable_failing_names_the_plan_or_falls_back(bad, caplog, mon
         replaygrad.backward(loss, retain_graph=True, compiler=compiler)
     assert any(key in note for note in info.value.__notes__)
     assert x.grad is None and w.grad is None
-    caplog.set_level(logging.WARNING, logger="replaygrad")
-    for _ in range(2):
-        x, w, _h, loss = graph()
-        replaygrad.backward(loss, compiler=compiler, fallback="eager")
-        ex, ew = expected_grads(x, w)
-        torch.testing.assert_close(x.grad, ex)
-        torch.testing.assert_close(w.grad, ew)
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    warnings = falls_back_to_the_engine(compiler, caplog)
     assert len(warnings) == 1 and key in warnings[0].getMessage()
 
 
