@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import os
 import threading
@@ -197,8 +198,9 @@ class ReplayCache:
     _regions: weakref.WeakValueDictionary[tuple[Config, str], _Compiled] = field(
         default_factory=weakref.WeakValueDictionary
     )
-    #: Keys of the replays compiled per (config, plan shape) (see :func:`plan_shape`).
-    _variants: dict[tuple[Config, bytes], set[str]] = field(default_factory=dict)
+    #: Keys of the replays compiled per (config, plan shape) (see :func:`plan_shape`), for
+    #: the shapes seen last (four times as many as entries).
+    _variants: OrderedDict[tuple[Config, bytes], set[str]] = field(default_factory=OrderedDict)
 
     def get(self, plan: _core.Plan, config: Config) -> Entry | None:
         """The cached replay of ``plan``, compiled if it is new; None when the plan's shape
@@ -215,7 +217,11 @@ class ReplayCache:
             latest = next((e for (c, _), e in reversed(self._entries.items()) if c == config), None)
             variants = None
             if config.compiler is not None:
-                variants = self._variants.setdefault((config, plan_shape(plan)), set())
+                shape = (config, plan_shape(plan))
+                variants = self._variants.setdefault(shape, set())
+                self._variants.move_to_end(shape)
+                if len(self._variants) > 4 * self.maxsize:
+                    self._variants.popitem(last=False)
                 if plan.key not in variants and len(variants) >= recompile_limit():
                     return None
         if latest is not None and recompiles_log.isEnabledFor(10):
@@ -358,9 +364,12 @@ def plan_shape(plan: _core.Plan) -> bytes:
     """What a plan's key is made of but the steps' specialisations (the non-tensor state
     their nodes report, e.g. a ``clamp`` bound, and the sizes kept in the key): plans of one
     shape differ only in values a compiled replay is specialised on, such as a scalar a
-    training loop anneals."""
+    training loop anneals. A digest of them."""
     digests = plan.step_digests()
-    return b"".join(digests[i : i + 16] for i in range(0, len(digests), 24))
+    shape = hashlib.blake2b(digest_size=16)
+    for i in range(0, len(digests), 24):
+        shape.update(digests[i : i + 16])
+    return shape.digest()
 
 
 def recompile_limit() -> int:
