@@ -14,6 +14,7 @@ GraphTask-dependent APIs behave as in eager.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -132,10 +133,11 @@ class routed:
 _eager_reasons_logged: set[str] = set()
 
 
-def _leave_to_engine(reason: str) -> None:
+def _leave_to_engine(reason: str, level: int = logging.INFO) -> None:
+    """Logs, once per reason, why the engine runs a call itself."""
     if reason not in _eager_reasons_logged:
         _eager_reasons_logged.add(reason)
-        log.info("replaygrad: the engine runs this backward call itself: %s", reason)
+        log.log(level, "replaygrad: the engine runs this backward call itself: %s", reason)
 
 
 def _on_engine_call(call: Any) -> tuple[torch.Tensor | None, ...] | None:
@@ -280,15 +282,12 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
             raise
         # The compiler failed when given the replay (nothing of the call ran).
         if config.fallback == "eager":
-            reason = f"compiling the replay of plan {plan.key} failed"
-            if reason not in _eager_reasons_logged:
-                _eager_reasons_logged.add(reason)
-                log.warning(
-                    "replaygrad: %s (%s: %s); the engine runs such calls",
-                    reason,
-                    type(error).__name__,
-                    str(error).splitlines()[0] if str(error) else "",
-                )
+            first_line = str(error).splitlines()[0] if str(error) else ""
+            _leave_to_engine(
+                f"compiling the replay of plan {plan.key} failed "
+                f"({type(error).__name__}: {first_line})",
+                logging.WARNING,
+            )
             return None
         error.add_note(
             f"replaygrad: while compiling the replay of plan {plan.key} with "
@@ -296,14 +295,12 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
         )
         raise
     if entry is None:
-        reason = (
+        _leave_to_engine(
             f"{recompile_limit()} replays of one graph shape with other node state (e.g. a "
             "scalar argument that changes every call) were compiled already "
-            "(torch._dynamo.config.recompile_limit); the engine runs new variants"
+            "(torch._dynamo.config.recompile_limit): new variants run in the engine",
+            logging.WARNING,
         )
-        if reason not in _eager_reasons_logged:
-            _eager_reasons_logged.add(reason)
-            log.warning("replaygrad: %s", reason)
         return None
     if entry.failed:
         _leave_to_engine(f"compiling the replay of plan {plan.key} failed before")
