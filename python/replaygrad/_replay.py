@@ -525,6 +525,13 @@ def post_hook(deferred: list, step: int, fns: list, outputs: tuple, inputs: list
     return _post_hooks(fns, outputs, inputs)
 
 
+def retained(grad: Any) -> Any:
+    """The value a retains_grad hook keeps: the engine's hook stores a clone when it runs, so
+    what a later hook does to the gradient in place does not show in ``.grad``; the replay
+    applies the hook later (see :func:`_leave_graph`), so it clones here."""
+    return None if grad is None else grad.clone()
+
+
 # ---- input buffers -----------------------------------------------------------------------
 
 
@@ -611,6 +618,7 @@ _RUNTIME = {
     "pre_hook_outside": pre_hook_outside,
     "post_hook_outside": post_hook_outside,
     "buffer_sum": buffer_sum,
+    "retained": retained,
 }
 
 
@@ -853,7 +861,7 @@ def _region_source(
                 hook += python
             elif hook_kind == "retains_grad":
                 assert (s, pos) in effects
-                body.append(f"deferred.append(i[{index}])")
+                body.append(f"deferred.append(retained(i[{index}]))")
             elif python and hook_kind == "tensor_pre":
                 v = value_idx
                 body.append(f"i[{v}] = tensor_pre_hook{where}({arg}hooks[{h}], i[{v}])")
