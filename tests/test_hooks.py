@@ -920,3 +920,27 @@ def test_hook_changing_a_retained_gradient_in_place_after_retain_grad(compiler, 
     expected = run(eager_backward)
     got = run(replay_backward(compiler))
     assert_same(expected, got, compiler is None, "t.grad, x.grad")
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_hook_changing_in_place_a_gradient_already_summed_into_another_buffer(compiler):
+    # q = a + y hands one gradient tensor to a and to y; it is the second gradient to reach
+    # a, so the engine adds it into a's buffer when it arrives, before y's hook changes it
+    # in place. The replay sums buffers as gradients arrive too.
+    def scale_in_place(grad):
+        grad.mul_(10)
+
+    def run(backward):
+        x = torch.linspace(-1, 1, 3, requires_grad=True)
+        z = torch.linspace(0.5, 2, 3, requires_grad=True)
+        a = x * 2
+        y = z * 3
+        q = a + y
+        p = a.cos()  # reaches a's buffer first
+        y.register_hook(scale_in_place)
+        backward((p * q).sum())
+        return x.grad, z.grad
+
+    expected = run(eager_backward)
+    got = run(replay_backward(compiler))
+    assert_same(expected, got, compiler is None, "x.grad, z.grad")

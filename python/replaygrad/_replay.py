@@ -807,9 +807,24 @@ def _region_source(
             return []
         return [f"inc[{incoming.setdefault((step, slot), len(incoming))}]"]
 
+    # Buffers of the region's steps that take two gradients or more (counting what arrived
+    # before the region as one): summed as each gradient arrives, as the engine's
+    # InputBuffer does, so that a hook changing one of them in place later (after the sum,
+    # in the engine) does not change the sum. Other buffers hold their one gradient.
+    arrivals: dict[int, list[tuple[tuple[int, int], int]]] = {}
+    for t in range(start, end):
+        for slot, sources in enumerate(steps[t][8]):
+            local = [(p, i) for p, i in sources if p >= start]
+            if local and len(local) + any(p < start for p, _ in sources) > 1:
+                for p, i in local:
+                    arrivals.setdefault(p, []).append(((t, slot), i))
+    summed: dict[tuple[int, int], str] = {}
+
     def buffer(step: int, slot: int) -> str:
-        """Input buffer ``slot`` of ``step`` in the region: what arrived before it, then
-        the gradients of the region's steps."""
+        """Input buffer ``slot`` of ``step`` in the region: its sum (see ``arrivals``), or
+        the one gradient that arrived, before the region or from one of its steps."""
+        if (step, slot) in summed:
+            return summed[(step, slot)]
         local = [f"o{p - start}[{i}]" for p, i in steps[step][8][slot] if p >= start]
         return _sum(before(step, slot) + local)
 
@@ -844,6 +859,9 @@ def _region_source(
         arg = f"deferred, {k}, "
         body.append(f"# step {k}: {name} ({mode})")
         body.append(f"i = [{', '.join(buffer(s, slot) for slot in range(len(slots)))}]")
+        consumed = [summed.pop((s, slot)) for slot in range(len(slots)) if (s, slot) in summed]
+        if consumed:
+            body.append(f"del {', '.join(consumed)}")
         capture_lines = []
         for j, c in caps:
             capture_lines.append(f"captured[{len(captures)}] = i[{j}]")
@@ -905,6 +923,13 @@ def _region_source(
                 body.append(f"o{k} = post_hook{where}({arg}hooks[{h}], o{k}, i)")
             else:
                 body.append(f"o{k} = cpp_post_hook(deferred, {k}, {pos}, o{k}, i)")
+        for target, terms in _grouped(arrivals.get(s, ()), f"o{k}"):
+            if target in summed:
+                terms.insert(0, summed[target])
+            else:
+                summed[target] = f"b{target[0] - start}_{target[1]}"
+                terms[:0] = before(*target)
+            body.append(f"{summed[target]} = {_sum(terms)}")
         for target, terms in _grouped(feeds.get(s, ()), f"o{k}"):
             if target in partial:
                 terms.insert(0, partial[target])
