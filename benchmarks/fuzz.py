@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         kinds=kinds,
         exclude=tuple(exclude),
         inplace_hooks=args.inplace_hooks,
+        dtype=dtype,
     )
     replaygrad.set_cache_size(args.cache_size)
     torch.set_num_threads(1)

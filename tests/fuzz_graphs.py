@@ -499,12 +499,13 @@ class _GenState:
         leaves: Sequence[tuple[tuple[int, ...], bool]],
         inplace_hooks: bool = False,
         permuted: Sequence[int] = (),
+        dtype: torch.dtype = torch.float64,
     ) -> None:
         self.inplace_hooks = inplace_hooks
         self.nested_hooks = True
         # the same strides as make_leaves': whether reshape makes a view depends on them
         program = Program(leaves=tuple(leaves), ops=(), roots=(), grad_seeds=(), permuted=permuted)
-        meta = [v.to("meta") for v in make_leaves(program)]
+        meta = [v.to("meta") for v in make_leaves(program, dtype)]
         for t, (_, rg) in zip(meta, leaves):
             t.requires_grad_(rg)
         self.b = Built(leaves=meta, env=list(meta))
@@ -1356,11 +1357,13 @@ def programs(
     modes: Sequence[str] = MODES,
     inplace_hooks: bool = False,
     twice: bool = True,
+    dtype: torch.dtype = torch.float64,
 ) -> Program:
     """A random program over 1..max_leaves leaves (leaf 0 requires grad) with up to
     ``max_ops`` ops drawn from ``kinds`` (default: every kind not in :data:`EXCLUDED` or
     ``exclude``, weighted by :data:`WEIGHTS`), called in one of ``modes``; ``twice``: the
-    program may run its backward twice.
+    program may run its backward twice. ``dtype``: of the leaves the program will run on
+    (dtype casts make ops fail in one leaf dtype and not in the other).
 
     ``inplace_hooks``: hooks may also scale gradients in place (mode "inplace"). Off by
     default: torch documents that tensor and grad_fn hooks must not modify their argument,
@@ -1386,7 +1389,7 @@ def programs(
     permuted = tuple(
         k for k, (shape, _) in enumerate(leaves) if len(shape) >= 2 and draw(st.booleans())
     )
-    state = _GenState(leaves, inplace_hooks, permuted)
+    state = _GenState(leaves, inplace_hooks, permuted, dtype)
     ops: list[Op] = []
     for _ in range(draw(st.integers(1, max_ops))):
         kind = draw(st.sampled_from(kinds))
