@@ -13,7 +13,7 @@ import torch
 import replaygrad
 from replaygrad import _core
 
-from conftest import counting_backend
+from conftest import Doubling, counting_backend
 
 
 def loss_of(w):
@@ -122,35 +122,26 @@ def test_bad_compile_options():
 
 
 def test_plan_explain_and_dot():
-    class Opaque(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 2
-
-        @staticmethod
-        def backward(ctx, g):
-            return g * 2
-
     w = torch.randn(3, requires_grad=True)
     h = w.exp()
     h.register_hook(lambda g: g)
-    loss = Opaque.apply(h).sum()
+    loss = Doubling.apply(h).sum()
     plan = replaygrad.plan(loss)
     assert plan.order == [
         "SumBackward0",
-        "OpaqueBackward",
+        "DoublingBackward",
         "ExpBackward0",
         "torch::autograd::AccumulateGrad",
     ]
-    assert plan.opaque == [(1, "OpaqueBackward")]
+    assert plan.opaque == [(1, "DoublingBackward")]
     assert plan.saved == [(2, "ExpBackward0")]
     text = plan.explain()
-    assert "OpaqueBackward" in text and "opaque" in text and "tensor_pre" in text
+    assert "DoublingBackward" in text and "opaque" in text and "tensor_pre" in text
     assert "def replay(grads, saved, sizes, hooks):" in text
     assert "1 graph breaks" in text
     dot = plan.to_dot()
     assert dot.startswith("digraph replaygrad {")
-    assert 's1 [label="1: OpaqueBackward\\nopaque", color=red, style=dashed' in dot
+    assert 's1 [label="1: DoublingBackward\\nopaque", color=red, style=dashed' in dot
     assert replaygrad.explain(loss) == text
 
 

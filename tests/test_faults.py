@@ -12,7 +12,7 @@ import torch
 import replaygrad
 from replaygrad import _engine
 
-from conftest import COMPILERS, FAST_COMPILERS, assert_grads_equal, grads_of
+from conftest import COMPILERS, FAST_COMPILERS, Doubling, assert_grads_equal, grads_of
 
 
 class Boom(Exception):
@@ -261,16 +261,6 @@ def test_nodes_before_an_error_release_their_saved_values(compiler, where):
     assert run(lambda loss: replaygrad.backward(loss, compiler=compiler)) == expected
 
 
-class OpaqueIdentity(torch.autograd.Function):  # not traceable: a graph break
-    @staticmethod
-    def forward(ctx, x):
-        return x * 1
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 1
-
-
 def test_untraceable_step_after_a_graph_break_runs_as_itself_on_later_calls():
     # The traced step fails while the code after a graph break compiles, after that graph
     # break ran: this call cannot start over and raises (with a note); later calls run the
@@ -278,7 +268,7 @@ def test_untraceable_step_after_a_graph_break_runs_as_itself_on_later_calls():
     def run(backward):
         torch.manual_seed(0)
         x, w = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
-        backward(OpaqueIdentity.apply(NumpyInBackward.apply(x) * w).sum())
+        backward(Doubling.apply(NumpyInBackward.apply(x) * w).sum())  # a graph break
         return x.grad, w.grad
 
     def replay(loss):
