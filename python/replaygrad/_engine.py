@@ -209,6 +209,20 @@ def _compile_failure(error: BaseException) -> bool:
     return isinstance(error, torch._dynamo.exc.TorchDynamoException)
 
 
+def _summary(error: BaseException) -> str:
+    """``Type: first line of the message``, for a log line."""
+    message = str(error)
+    return f"{type(error).__name__}: {message.splitlines()[0] if message else ''}"
+
+
+def _note_compile_failure(error: BaseException, plan: _core.Plan, config: Config) -> None:
+    """Names the plan whose replay failed to compile on the error the caller raises."""
+    error.add_note(
+        f"replaygrad: while compiling the replay of plan {plan.key} with "
+        f"{config.compiler!r}; enable(..., fallback='eager') runs such calls in the engine"
+    )
+
+
 _DDP = torch.nn.parallel.DistributedDataParallel
 
 
@@ -282,17 +296,12 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
             raise
         # The compiler failed when given the replay (nothing of the call ran).
         if config.fallback == "eager":
-            first_line = str(error).splitlines()[0] if str(error) else ""
             _leave_to_engine(
-                f"compiling the replay of plan {plan.key} failed "
-                f"({type(error).__name__}: {first_line})",
+                f"compiling the replay of plan {plan.key} failed ({_summary(error)})",
                 logging.WARNING,
             )
             return None
-        error.add_note(
-            f"replaygrad: while compiling the replay of plan {plan.key} with "
-            f"{config.compiler!r}; enable(..., fallback='eager') runs such calls in the engine"
-        )
+        _note_compile_failure(error, plan, config)
         raise
     if entry is None:
         _leave_to_engine(
@@ -350,19 +359,15 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
                 raise
         elif config.fallback == "eager":
             log.warning(
-                "replaygrad: compiling the replay of plan %s failed (%s: %s); this and later "
+                "replaygrad: compiling the replay of plan %s failed (%s); this and later "
                 "calls with this plan run in the engine",
                 plan.key,
-                type(error).__name__,
-                str(error).splitlines()[0] if str(error) else "",
+                _summary(error),
             )
             entry.failed = True
             return None
         cache.discard(config, plan.key)
-        error.add_note(
-            f"replaygrad: while compiling the replay of plan {plan.key} with "
-            f"{config.compiler!r}; enable(..., fallback='eager') runs such calls in the engine"
-        )
+        _note_compile_failure(error, plan, config)
         raise
     del saved
     # run_deferred empties the list: a gradient held by nothing else can then be stolen by
