@@ -781,10 +781,11 @@ def _region_source(
     as engine.cpp runs it, and its interface: the incoming and exported input buffers (as
     ``(step, input)``), the captures, the number of Python hooks.
 
-    An input buffer of a later step is summed as gradients arrive, in arrival order, as
-    InputBuffer::add does: a region takes the sum of what arrived before it and exports it
-    with its own gradients added, so that the gradients of a shared parameter are not all
-    kept until its AccumulateGrad runs.
+    An input buffer that takes two gradients or more is summed as they arrive, in arrival
+    order, as InputBuffer::add does, so that a hook changing a gradient in place after it
+    arrived does not change the sum. That of a later step is taken summed as far as before
+    the region and exported with the region's gradients added, so that the gradients of a
+    shared parameter are not all kept until its AccumulateGrad runs.
 
     The region appends the values of the plan's deferred effects to ``deferred`` as it
     reaches them, so that after an error the caller can still apply those that came before
@@ -807,29 +808,10 @@ def _region_source(
             return []
         return [f"inc[{incoming.setdefault((step, slot), len(incoming))}]"]
 
-    # Buffers of the region's steps that take two gradients or more (counting what arrived
-    # before the region as one): summed as each gradient arrives, as the engine's
-    # InputBuffer does, so that a hook changing one of them in place later (after the sum,
-    # in the engine) does not change the sum. Other buffers hold their one gradient.
-    arrivals: dict[int, list[tuple[tuple[int, int], int]]] = {}
-    for t in range(start, end):
-        for slot, sources in enumerate(steps[t][8]):
-            local = [(p, i) for p, i in sources if p >= start]
-            if local and len(local) + any(p < start for p, _ in sources) > 1:
-                for p, i in local:
-                    arrivals.setdefault(p, []).append(((t, slot), i))
-    summed: dict[tuple[int, int], str] = {}
-
-    def buffer(step: int, slot: int) -> str:
-        """Input buffer ``slot`` of ``step`` in the region: its sum (see ``arrivals``), or
-        the one gradient that arrived, before the region or from one of its steps."""
-        if (step, slot) in summed:
-            return summed[(step, slot)]
-        local = [f"o{p - start}[{i}]" for p, i in steps[step][8][slot] if p >= start]
-        return _sum(before(step, slot) + local)
-
-    # Buffers of later steps that this region feeds, summed as their gradients arrive;
-    # every step's outputs die after their last reader here.
+    # Buffers summed as their gradients arrive (see above): those of later steps that this
+    # region feeds, and those of its own steps that take two gradients or more (what
+    # arrived before the region counts as one); the others hold their one gradient. Every
+    # step's outputs die after their last reader here.
     feeds: dict[int, list[tuple[tuple[int, int], int]]] = {}
     last = {p: p for p in range(start, end)}
     for p in range(start, end):
@@ -837,11 +819,23 @@ def _region_source(
             if start <= t < end:
                 last[p] = max(last[p], t)
     for target in dict.fromkeys(
-        (t, slot) for p in range(start, end) for t, slot in steps[p][9] if t >= end
+        (t, slot) for p in range(start, end) for t, slot in steps[p][9] if t >= start
     ):
-        for p, i in steps[target[0]][8][target[1]]:
-            if start <= p < end:
+        sources = steps[target[0]][8][target[1]]
+        local = [(p, i) for p, i in sources if start <= p < end]
+        if target[0] >= end or len(local) + any(p < start for p, _ in sources) > 1:
+            for p, i in local:
                 feeds.setdefault(p, []).append((target, i))
+    partial: dict[tuple[int, int], str] = {}
+
+    def buffer(step: int, slot: int) -> str:
+        """Input buffer ``slot`` of ``step`` in the region: as summed on arrival, or the one
+        gradient that arrived, before the region or from one of its steps."""
+        if (step, slot) in partial:
+            return partial[(step, slot)]
+        local = [f"o{p - start}[{i}]" for p, i in steps[step][8][slot] if p >= start]
+        return _sum(before(step, slot) + local)
+
     dying: dict[int, list[int]] = {}
     for p in range(start, end):
         if _has_outputs(steps[p]):
@@ -851,7 +845,6 @@ def _region_source(
     sizes_base = size_ranges[start][0] if end > start else 0
     body = []
     exports: list[tuple[int, int]] = []
-    partial: dict[tuple[int, int], str] = {}
     hook = hook_base
     for s in range(start, end):
         name, _kind, mode, _seq, _inputs, _outputs, a, b, slots, _targets, hooks, caps = steps[s]
@@ -859,7 +852,7 @@ def _region_source(
         arg = f"deferred, {k}, "
         body.append(f"# step {k}: {name} ({mode})")
         body.append(f"i = [{', '.join(buffer(s, slot) for slot in range(len(slots)))}]")
-        consumed = [summed.pop((s, slot)) for slot in range(len(slots)) if (s, slot) in summed]
+        consumed = [partial.pop((s, slot)) for slot in range(len(slots)) if (s, slot) in partial]
         if consumed:
             body.append(f"del {', '.join(consumed)}")
         capture_lines = []
@@ -923,19 +916,15 @@ def _region_source(
                 body.append(f"o{k} = post_hook{where}({arg}hooks[{h}], o{k}, i)")
             else:
                 body.append(f"o{k} = cpp_post_hook(deferred, {k}, {pos}, o{k}, i)")
-        for target, terms in _grouped(arrivals.get(s, ()), f"o{k}"):
-            if target in summed:
-                terms.insert(0, summed[target])
-            else:
-                summed[target] = f"b{target[0] - start}_{target[1]}"
-                terms[:0] = before(*target)
-            body.append(f"{summed[target]} = {_sum(terms)}")
         for target, terms in _grouped(feeds.get(s, ()), f"o{k}"):
             if target in partial:
                 terms.insert(0, partial[target])
             else:
-                partial[target] = f"e{len(exports)}"
-                exports.append(target)
+                if target[0] >= end:
+                    partial[target] = f"e{len(exports)}"
+                    exports.append(target)
+                else:
+                    partial[target] = f"b{target[0] - start}_{target[1]}"
                 terms[:0] = before(*target)
             body.append(f"{partial[target]} = {_sum(terms)}")
         # Drop gradients once their last reader ran, as the engine's buffers do.
