@@ -1258,9 +1258,21 @@ rg_status rg_collector_values_to_list(const rg_collector* c, PyObject** out) {
     throw python_error();
   }
   for (size_t i = 0; i < c->values.size(); ++i) {
-    PyObject* item = c->values[i].defined() ? THPVariable_Wrap(c->values[i]) : Py_NewRef(Py_None);
+    const at::Tensor& value = c->values[i];
+    // A replay makes one Python tensor per saved value per call (hundreds on a long chain),
+    // alive for the call. Tracked by the cycle collector, they are moved to older
+    // generations by collections during calls, which soon triggers a full collection of the
+    // heap (hundreds of ms once torch is imported; eager autograd makes no such objects). A
+    // tensor wrapped here for the first time (a plain torch.Tensor: the detached value of a
+    // dense tensor) refers to no Python object, so it cannot be part of a cycle: untracked.
+    const bool fresh =
+        value.defined() && value.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj() == nullptr;
+    PyObject* item = value.defined() ? THPVariable_Wrap(value) : Py_NewRef(Py_None);
     if (!item) {
       throw python_error();
+    }
+    if (fresh && Py_TYPE(item) == reinterpret_cast<PyTypeObject*>(THPVariableClass)) {
+      PyObject_GC_UnTrack(item);
     }
     PyList_SET_ITEM(list.get(), static_cast<Py_ssize_t>(i), item);
   }
