@@ -217,22 +217,23 @@ def eager_backward(*args, **kwargs) -> None:
     torch.autograd.backward(*args, **kwargs)
 
 
-def compare(run, compiler) -> None:
-    """``run(backward) -> (log, grads)`` with the engine and with replaygrad: the same log
-    and gradients (bit for bit uncompiled)."""
+def compare(run, compiler, **options) -> None:
+    """``run(backward) -> (log, grads)`` with the engine and with replaygrad (compile
+    ``options`` given): the same log and gradients (bit for bit uncompiled)."""
     expected = run(eager_backward)
-    got = run(replay_backward(compiler))
+    got = run(replay_backward(compiler, **options))
     exact = compiler is None
     assert_same(tuple(expected[0]), tuple(got[0]), exact, "log")
     assert_same(tuple(expected[1]), tuple(got[1]), exact, "grads")
 
 
-def replay_backward(compiler):
-    """``backward`` through replaygrad with ``compiler``, asserting it really replayed."""
+def replay_backward(compiler, **options):
+    """``backward`` through replaygrad with ``compiler`` (and compile ``options``), asserting
+    it really replayed."""
 
     def backward(*args, **kwargs):
         before = replaygrad.cache_info()
-        replaygrad.backward(*args, compiler=compiler, **kwargs)
+        replaygrad.backward(*args, compiler=compiler, **options, **kwargs)
         assert_replayed(before)
 
     return backward

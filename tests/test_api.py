@@ -81,7 +81,9 @@ def test_inductor_options_dict_is_a_cache_key(compile_calls):
     for _ in range(2):
         with replaygrad.enable("inductor", options={"size_asserts": False}):
             loss_of(w).backward()
-    assert seen == [{"backend": "inductor", "options": {"size_asserts": False}}]
+    assert seen == [
+        {"backend": "inductor", "options": {"size_asserts": False, "reorder_for_locality": False}}
+    ]
     assert replaygrad.cache_info()[:2] == (1, 1)
     with replaygrad.enable("inductor", options={"size_asserts": True}):
         loss_of(w).backward()
@@ -89,19 +91,27 @@ def test_inductor_options_dict_is_a_cache_key(compile_calls):
     torch.testing.assert_close(w.grad, 3 * (w.exp() * w + w.exp()))
 
 
-def test_inductor_skips_its_input_size_asserts(compile_calls):
-    """Dynamo's guards check every input's sizes and strides before a compiled replay runs;
-    inductor's asserts of the same are left out (unless the options say otherwise)."""
+def test_inductor_options_replaygrad_sets(compile_calls):
+    """Dynamo's guards check every input's sizes and strides before a compiled replay runs:
+    inductor's asserts of the same are left out. Inductor's reordering for locality is off
+    (it reorders a read of a view after a write; see test_node_kinds). Unless the options
+    say otherwise; a mode is passed as its options, with these."""
     w = torch.randn(3, requires_grad=True)
     replaygrad.backward(loss_of(w), compiler="inductor")
     replaygrad.backward(loss_of(w), compiler="inductor", options={"size_asserts": True})
     replaygrad.backward(loss_of(w), compiler="inductor", mode="default")
+    replaygrad.backward(loss_of(w), compiler="inductor", mode="max-autotune-no-cudagraphs")
+    ours = {"size_asserts": False, "reorder_for_locality": False}
+    autotune = torch._inductor.list_mode_options("max-autotune-no-cudagraphs")
     assert compile_calls == [
-        {"backend": "inductor", "options": {"size_asserts": False}},
-        {"backend": "inductor", "options": {"size_asserts": True}},
-        {"backend": "inductor", "mode": "default"},
+        {"backend": "inductor", "options": ours},
+        {"backend": "inductor", "options": {**ours, "size_asserts": True}},
+        {"backend": "inductor", "options": ours},
+        {"backend": "inductor", "options": {**ours, **autotune}},
     ]
-    torch.testing.assert_close(w.grad, 3 * (w.exp() * w + w.exp()))
+    torch.testing.assert_close(w.grad, 4 * (w.exp() * w + w.exp()))
+    with pytest.raises(RuntimeError, match="Unrecognized mode=fast"):
+        replaygrad.backward(loss_of(w), compiler="inductor", mode="fast")
 
 
 def test_bad_compile_options():

@@ -280,6 +280,30 @@ def test_in_place_on_views(compiler):
     compare(run, compiler)
 
 
+@pytest.mark.parametrize("options", [{}, {"mode": "max-autotune-no-cudagraphs"}])
+def test_gradient_of_in_place_ops_on_two_views_with_inductor(options):
+    # The double backward of two in-place ops on views: the graph of the first backward has
+    # two CopySlices steps in a row (each writes a window of a copy of its gradient; the
+    # second reads the first one's result). Inductor's reordering for locality (torch 2.13)
+    # moved the read of the second window after a write to it: zeros in place of ones, as
+    # under torch's compiled autograd (found by PyTorch's test_inplace_on_view_python run
+    # under enable("inductor")).
+    def run(backward):
+        torch.manual_seed(0)
+        a = torch.randn(4, 4, dtype=torch.double, requires_grad=True)
+        b = torch.randn(2, 2, dtype=torch.double, requires_grad=True)
+        go = torch.randn(4, 4, dtype=torch.double, requires_grad=True)
+        x = a.clone()
+        x.narrow(1, 2, 2).narrow(0, 1, 2).add_(b)
+        x.narrow(1, 0, 2).narrow(0, 1, 2).add_(b)
+        ga, gb = torch.autograd.grad(x, (a, b), go, create_graph=True)
+        names = sorted({node.name() for node in _all_nodes(ga)})
+        backward((ga, gb), (torch.ones_like(ga), torch.ones_like(gb)), inputs=[go])
+        return names, grads_of([go])
+
+    compare(run, "inductor", **options)
+
+
 # ---- sparse, mixed dtypes, broadcasting ---------------------------------------------------
 
 
