@@ -207,6 +207,14 @@ impl PyPlan {
         PyList::new(py, out)
     }
 
+    /// The grad_fn object of one step (what `torch._C._current_autograd_node()` returns while
+    /// the engine runs it).
+    fn node_object<'py>(&self, py: Python<'py>, step: u32) -> PyResult<Bound<'py, PyAny>> {
+        let ptr = self.plan.node(step)?.to_pyobject()?;
+        // SAFETY: a new reference from functionToPyObject.
+        Ok(unsafe { Bound::from_owned_ptr(py, ptr) })
+    }
+
     /// Per step: (name, kind, mode, sequence_nr, num_inputs, num_outputs, saved_start,
     /// saved_end, slots, outputs, hooks, captures). slots[i] lists (step, index) sources of
     /// input i (step -1: root gradient `index`); outputs[j] is (target step or -1,

@@ -7,7 +7,10 @@ what they see, and runs once with the engine and once with replaygrad.
 
 from __future__ import annotations
 
+import logging
+import re
 import warnings
+from typing import ClassVar
 
 import pytest
 import torch
@@ -944,3 +947,90 @@ def test_hook_changing_in_place_a_gradient_already_summed_into_another_buffer(co
     expected = run(eager_backward)
     got = run(replay_backward(compiler))
     assert_same(expected, got, compiler is None, "x.grad, z.grad")
+
+
+class _Named(torch.autograd.Function):
+    """Its backward records the node the engine says is running."""
+
+    log: ClassVar[list] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, g):
+        _Named.log.append(("function", _node_name()))
+        return g * 3
+
+
+def _node_name() -> str | None:
+    node = torch._C._current_autograd_node()
+    return None if node is None else node.name()
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_current_autograd_node_in_hooks_and_functions(compiler):
+    # torch._C._current_autograd_node() is the node the engine evaluates, around its hooks
+    # and its function (autograd's TORCH_LOGS=autograd messages and DebugMode read it). In
+    # a compiled replay, a hook traced into the graph gets None: x's hook here (y's hooks
+    # get an expanded gradient, and run outside the graph).
+    def run(backward):
+        torch.manual_seed(0)
+        log = _Named.log = []
+        w = torch.randn(3, requires_grad=True)
+        x = torch.randn(3, requires_grad=True)
+        y = _Named.apply(w.sin()) * x
+        y.register_hook(lambda g: log.append(("tensor", _node_name())))
+        y.grad_fn.register_prehook(lambda g: log.append(("pre", _node_name())))
+        y.grad_fn.register_hook(lambda gi, go: log.append(("post", _node_name())))
+        w.register_post_accumulate_grad_hook(lambda p: log.append(("accumulated", _node_name())))
+
+        def nested(g):
+            # A backward the engine runs inside the hook: its own nodes, then ours again.
+            a = torch.randn(2, requires_grad=True)
+            with torch.enable_grad():
+                b = a.exp()
+                b.grad_fn.register_prehook(lambda gs: log.append(("nested", _node_name())))
+                torch.autograd.grad(b.sum(), a)
+            log.append(("after nested", _node_name()))
+
+        x.register_hook(nested)
+        backward(y.sum())
+        log.append(("after", _node_name()))
+        return log, grads_of([w, x])
+
+    expected_log, expected_grads = run(eager_backward)
+    assert expected_log[4] == ("after nested", "torch::autograd::AccumulateGrad")
+    if compiler is not None:
+        expected_log[4] = ("after nested", None)
+    got_log, got_grads = run(replay_backward(compiler))
+    assert got_log == expected_log
+    assert_same(tuple(expected_grads), tuple(got_grads), compiler is None, "grads")
+    with replaygrad.enable(compiler):
+        assert torch._C._current_autograd_node() is None
+
+
+def test_autograd_debug_logging_names_the_nodes():
+    # With torch.autograd.graph's logger at DEBUG (TORCH_LOGS="+autograd"), backward()
+    # registers a pre-hook on every node that logs torch._C._current_autograd_node().
+    logger = logging.getLogger("torch.autograd.graph")
+
+    def run(backward):
+        records: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: records.append(re.sub(r" at 0x\w+", "", record.getMessage()))
+        logger.addHandler(handler)
+        level = logger.level
+        logger.setLevel(logging.DEBUG)
+        try:
+            x = torch.randn(3, requires_grad=True)
+            backward((x.sin() * 2).sum())
+        finally:
+            logger.setLevel(level)
+            logger.removeHandler(handler)
+        return records
+
+    expected = run(eager_backward)
+    assert expected[0].startswith("Executing: <SumBackward0") and len(expected) == 4
+    assert run(replay_backward(None)) == expected

@@ -25,7 +25,14 @@ from . import _core
 from ._compile import Config, Entry, cache, compile_failed, recompile_limit
 from ._explain import table
 from ._logging import Lazy, log, plan_log
-from ._replay import hook_arguments, node_error, non_strided_steps, running, traced_step
+from ._replay import (
+    current_autograd_node,
+    hook_arguments,
+    node_error,
+    non_strided_steps,
+    running,
+    traced_step,
+)
 
 _tls = threading.local()
 _install_lock = threading.Lock()
@@ -80,13 +87,18 @@ def _ca_disable() -> Iterator[None]:
             _reclaim_slot()
 
 
+_torch_current_autograd_node = torch._C._current_autograd_node
+
+
 def _patch_torch(install: bool) -> None:
     if install:
         _ca_module.set_autograd_compiler = _set_autograd_compiler
         torch._dynamo.compiled_autograd._disable = _ca_disable
+        torch._C._current_autograd_node = current_autograd_node
     else:
         _ca_module.set_autograd_compiler = _torch_set_autograd_compiler
         torch._dynamo.compiled_autograd._disable = _torch_ca_disable
+        torch._C._current_autograd_node = _torch_current_autograd_node
 
 
 class routed:

@@ -61,12 +61,21 @@ class running:
         #: The steps where the replay runs something outside the graph (see
         #: :func:`outside_steps`).
         self.breaks: Sequence[int] = ()
+        #: The step whose Python code (hooks, a Function's backward, post-accumulate-grad
+        #: hooks) runs outside compiled code now, if one does (see
+        #: :func:`current_autograd_node`).
+        self.current: int | None = None
+        self.outer: Any = None
 
     def __enter__(self) -> running:
         self.prior = getattr(_tls, "run", None)
         self.base = 0
         self.restartable = True
         self.reached = 0
+        self.current = None
+        #: The node the engine was evaluating when the replay started (see
+        #: :func:`current_autograd_node`).
+        self.outer = _engine_current_node()
         _tls.run = self
         return self
 
@@ -93,6 +102,24 @@ def _step(k: int) -> int:
     run = _running()
     run.reached = run.base + k
     return run.reached
+
+
+_engine_current_node = torch._C._current_autograd_node
+
+
+@torch._dynamo.disable
+def current_autograd_node() -> Any:
+    """``torch._C._current_autograd_node()`` while replaygrad is installed. The engine sets
+    the node it evaluates around the node's hooks and function; in a replay this is the node
+    of the step whose node, hooks or accumulation run outside compiled code, else None (code
+    traced into a compiled graph). A backward the engine runs inside a replay (e.g. called by
+    a hook) has its own nodes, and a replay started by a node the engine evaluates (e.g. a
+    custom Function's backward calling ``autograd.grad``) sets its own."""
+    node = _engine_current_node()
+    run = getattr(_tls, "run", None)
+    if run is None or (node is not None and node is not run.outer):
+        return node
+    return None if run.current is None else run.plan.node_object(run.current)
 
 
 def at(base: int, hooks_ran: bool = False) -> list:
@@ -131,7 +158,11 @@ def apply_traced(step: int, inputs: list, saved: list, sizes: list | None = None
         elif function:
             # Run for real, a Python Function's backward gets the tensors it saved, the very
             # objects (ctx.saved_tensors), as in eager: not the replay's detached values.
-            outputs = run.plan.apply(plan_step, inputs)
+            run.current = plan_step
+            try:
+                outputs = run.plan.apply(plan_step, inputs)
+            finally:
+                run.current = None
         else:
             outputs = run.plan.apply(plan_step, inputs, saved)
     except Exception as error:
@@ -270,7 +301,13 @@ def _leave_graph(deferred: list, step: int) -> int:
         if values:
             run.plan.run_deferred(values, complete=False)
     run.plan.release_variables(plan_step)
+    run.current = plan_step
     return plan_step
+
+
+def _back_in_graph() -> None:
+    """After code outside the graph: no step's Python code runs (see ``running.current``)."""
+    _running().current = None
 
 
 def _check_saved(step: int, own: bool) -> None:
@@ -293,7 +330,10 @@ def _check_saved(step: int, own: bool) -> None:
 def apply_opaque(deferred: list, step: int, inputs: list) -> tuple:
     """An opaque step: a graph break that runs the current graph's node as itself."""
     plan_step = _leave_graph(deferred, step)
-    outputs = current_plan().apply(plan_step, inputs)
+    try:
+        outputs = current_plan().apply(plan_step, inputs)
+    finally:
+        _back_in_graph()
     _check_saved(plan_step, own=False)
     return outputs
 
@@ -303,7 +343,10 @@ def apply_accumulate(deferred: list, step: int, inputs: list, take: bool) -> tup
     """An AccumulateGrad run in place (hooks observe it), handed its gradient so that it can
     steal it as in the engine; ``take``: no post hook needs ``inputs`` afterwards."""
     plan_step = _leave_graph(deferred, step)
-    current_plan().accumulate(plan_step, inputs, take)
+    try:
+        current_plan().accumulate(plan_step, inputs, take)
+    finally:
+        _back_in_graph()
     _check_saved(plan_step, own=False)  # post-accumulate-grad hooks ran
     return ()
 
@@ -312,7 +355,10 @@ def apply_accumulate(deferred: list, step: int, inputs: list, take: bool) -> tup
 def cpp_pre_hook(deferred: list, step: int, position: int, values: list) -> list:
     """A C++ pre-kind hook (no Python dict to trace): a graph break through the engine API."""
     plan_step = _leave_graph(deferred, step)
-    values = list(current_plan().call_hook(plan_step, position, values))
+    try:
+        values = list(current_plan().call_hook(plan_step, position, values))
+    finally:
+        _back_in_graph()
     _check_saved(plan_step, own=True)
     return values
 
@@ -320,7 +366,10 @@ def cpp_pre_hook(deferred: list, step: int, position: int, values: list) -> list
 @torch._dynamo.disable
 def cpp_post_hook(deferred: list, step: int, position: int, outputs: tuple, inputs: list) -> tuple:
     plan_step = _leave_graph(deferred, step)
-    outputs = current_plan().call_hook(plan_step, position, outputs, inputs)
+    try:
+        outputs = current_plan().call_hook(plan_step, position, outputs, inputs)
+    finally:
+        _back_in_graph()
     _check_saved(plan_step, own=False)
     return outputs
 
@@ -430,7 +479,10 @@ def _outside(hook: Callable[..., Any], own: bool, live: Callable[[Any], list]) -
     @functools.wraps(hook)
     def call(deferred: list, step: int, fns: Any, *args: Any) -> Any:
         plan_step = _leave_graph(deferred, step)
-        result = hook(live(fns), *args)
+        try:
+            result = hook(live(fns), *args)
+        finally:
+            _back_in_graph()
         _check_saved(plan_step, own)
         return result
 
