@@ -17,12 +17,13 @@ steps, a long chain) is split into regions with the same source, compiled once.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import hashlib
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
@@ -287,13 +288,15 @@ def traced_step(error: BaseException) -> int | None:
     return getattr(raised, "__replaygrad_traced_step__", None) if raised is not None else None
 
 
-def _leave_graph(deferred: list, step: int) -> int:
-    """Before code outside the graph runs at the region's ``step`` (a hook, a node run as
-    itself), what the engine has done by then is done: the deferred effects reached are
-    performed (accumulations, retain_grads: the code may read ``.grad``) and, without
-    retain_graph, the saved variables of the nodes that ran are released (it may reach
-    them, e.g. ``grad_fn._saved_self``, or a backward through them, which raises as in
-    eager). The call can no longer start over. Returns the plan's step."""
+@contextlib.contextmanager
+def _outside_graph(deferred: list, step: int) -> Iterator[int]:
+    """Code outside the graph (a hook, a node run as itself) running at the region's
+    ``step``; yields the plan's step. Before it, what the engine has done by then is done:
+    the deferred effects reached are performed (accumulations, retain_grads: the code may
+    read ``.grad``) and, without retain_graph, the saved variables of the nodes that ran are
+    released (it may reach them, e.g. ``grad_fn._saved_self``, or a backward through them,
+    which raises as in eager). The call can no longer start over. While it runs, the step's
+    node is the current autograd node (see :func:`current_autograd_node`)."""
     run = _running()
     run.restartable = False
     plan_step = _step(step)
@@ -302,12 +305,10 @@ def _leave_graph(deferred: list, step: int) -> int:
             run.plan.run_deferred(values, complete=False)
     run.plan.release_variables(plan_step)
     run.current = plan_step
-    return plan_step
-
-
-def _back_in_graph() -> None:
-    """After code outside the graph: no step's Python code runs (see ``running.current``)."""
-    _running().current = None
+    try:
+        yield plan_step
+    finally:
+        run.current = None
 
 
 def _check_saved(step: int, own: bool) -> None:
@@ -329,11 +330,8 @@ def _check_saved(step: int, own: bool) -> None:
 @torch._dynamo.disable
 def apply_opaque(deferred: list, step: int, inputs: list) -> tuple:
     """An opaque step: a graph break that runs the current graph's node as itself."""
-    plan_step = _leave_graph(deferred, step)
-    try:
+    with _outside_graph(deferred, step) as plan_step:
         outputs = current_plan().apply(plan_step, inputs)
-    finally:
-        _back_in_graph()
     _check_saved(plan_step, own=False)
     return outputs
 
@@ -342,11 +340,8 @@ def apply_opaque(deferred: list, step: int, inputs: list) -> tuple:
 def apply_accumulate(deferred: list, step: int, inputs: list, take: bool) -> tuple:
     """An AccumulateGrad run in place (hooks observe it), handed its gradient so that it can
     steal it as in the engine; ``take``: no post hook needs ``inputs`` afterwards."""
-    plan_step = _leave_graph(deferred, step)
-    try:
+    with _outside_graph(deferred, step) as plan_step:
         current_plan().accumulate(plan_step, inputs, take)
-    finally:
-        _back_in_graph()
     _check_saved(plan_step, own=False)  # post-accumulate-grad hooks ran
     return ()
 
@@ -354,22 +349,16 @@ def apply_accumulate(deferred: list, step: int, inputs: list, take: bool) -> tup
 @torch._dynamo.disable
 def cpp_pre_hook(deferred: list, step: int, position: int, values: list) -> list:
     """A C++ pre-kind hook (no Python dict to trace): a graph break through the engine API."""
-    plan_step = _leave_graph(deferred, step)
-    try:
+    with _outside_graph(deferred, step) as plan_step:
         values = list(current_plan().call_hook(plan_step, position, values))
-    finally:
-        _back_in_graph()
     _check_saved(plan_step, own=True)
     return values
 
 
 @torch._dynamo.disable
 def cpp_post_hook(deferred: list, step: int, position: int, outputs: tuple, inputs: list) -> tuple:
-    plan_step = _leave_graph(deferred, step)
-    try:
+    with _outside_graph(deferred, step) as plan_step:
         outputs = current_plan().call_hook(plan_step, position, outputs, inputs)
-    finally:
-        _back_in_graph()
     _check_saved(plan_step, own=False)
     return outputs
 
@@ -478,11 +467,8 @@ def _outside(hook: Callable[..., Any], own: bool, live: Callable[[Any], list]) -
     @torch._dynamo.disable
     @functools.wraps(hook)
     def call(deferred: list, step: int, fns: Any, *args: Any) -> Any:
-        plan_step = _leave_graph(deferred, step)
-        try:
+        with _outside_graph(deferred, step) as plan_step:
             result = hook(live(fns), *args)
-        finally:
-            _back_in_graph()
         _check_saved(plan_step, own)
         return result
 
@@ -580,7 +566,7 @@ def post_hook(deferred: list, step: int, fns: list, outputs: tuple, inputs: list
 def retained(grad: Any) -> Any:
     """The value a retains_grad hook keeps: the engine's hook stores a clone when it runs, so
     what a later hook does to the gradient in place does not show in ``.grad``; the replay
-    applies the hook later (see :func:`_leave_graph`), so it clones here."""
+    applies the hook later (see :func:`_outside_graph`), so it clones here."""
     return None if grad is None else grad.clone()
 
 
