@@ -30,6 +30,7 @@ from ._replay import (
     hook_arguments,
     node_error,
     non_strided_steps,
+    reads_current_node,
     running,
     traced_step,
 )
@@ -237,6 +238,12 @@ def _note_compile_failure(error: BaseException, plan: _core.Plan, config: Config
 
 _DDP = torch.nn.parallel.DistributedDataParallel
 
+#: Why a replay's hooks move out of the graph when one reads the current autograd node.
+_ASKS_NODE = (
+    "a Python hook calls torch._C._current_autograd_node(), which is only set for code "
+    "outside the graph"
+)
+
 
 def _call(entry: Entry, plan: _core.Plan, config: Config, args: tuple, run: running) -> list:
     """Calls the entry's replay with ``args`` (see :func:`_call_until_done`), outside any DDP
@@ -327,6 +334,9 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
         _leave_to_engine(f"compiling the replay of plan {plan.key} failed before")
         return None
     hooks = hook_arguments(plan.hook_dicts(), entry.replay.hooks_in_graph)
+    if entry.replay.hooks_in_graph and not config.fullgraph and reads_current_node(hooks):
+        cache.move_hooks_outside(entry, plan, config, _ASKS_NODE)
+        hooks = hook_arguments(plan.hook_dicts(), in_graph=False)
     graphs = _graphs_compiled()
     deferred: list[torch.Tensor | None] = []
     run = running(plan, deferred)
@@ -386,18 +396,15 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
     # AccumulateGrad rather than copied, as in the engine.
     plan.run_deferred(deferred)
     entry.calls += 1
-    if (
-        hooks
-        and entry.calls > 1
-        and entry.replay.hooks_in_graph
-        and not config.fullgraph
-        and _graphs_compiled() > graphs
-    ):
-        cache.move_hooks_outside(
-            entry,
-            plan,
-            config,
-            "it recompiled on a cache hit: its Python hooks touch state Dynamo guards on",
-        )
+    if entry.replay.hooks_in_graph and not config.fullgraph:
+        if hooks and entry.calls > 1 and _graphs_compiled() > graphs:
+            cache.move_hooks_outside(
+                entry,
+                plan,
+                config,
+                "it recompiled on a cache hit: its Python hooks touch state Dynamo guards on",
+            )
+        elif run.asked_node:
+            cache.move_hooks_outside(entry, plan, config, _ASKS_NODE)
     plan.release_variables()
     return () if plan.accumulate_grad else tuple(captured)

@@ -67,6 +67,8 @@ class running:
         #: :func:`current_autograd_node`).
         self.current: int | None = None
         self.outer: Any = None
+        #: Code traced into a compiled graph (a hook) asked for the current autograd node.
+        self.asked_node = False
 
     def __enter__(self) -> running:
         self.prior = getattr(_tls, "run", None)
@@ -120,7 +122,22 @@ def current_autograd_node() -> Any:
     run = getattr(_tls, "run", None)
     if run is None or (node is not None and node is not run.outer):
         return node
-    return None if run.current is None else run.plan.node_object(run.current)
+    if run.current is not None:
+        return run.plan.node_object(run.current)
+    if torch._guards.TracingContext.try_get() is None:
+        run.asked_node = True  # run time: later calls run the hooks outside the graph
+    return None
+
+
+def reads_current_node(hooks: list) -> bool:
+    """Whether a hook of ``hooks`` (traced ones: lists of callables) calls
+    ``torch._C._current_autograd_node()`` itself (by name, in its own code), which only code
+    outside the graph gets."""
+    return any(
+        "_current_autograd_node" in getattr(getattr(fn, "__code__", None), "co_names", ())
+        for fns in hooks
+        for fn in fns
+    )
 
 
 def at(base: int, hooks_ran: bool = False) -> list:
