@@ -304,6 +304,27 @@ def test_gradient_of_in_place_ops_on_two_views_with_inductor(options):
     compare(run, "inductor", **options)
 
 
+@pytest.mark.parametrize("options", [{}, {"mode": "max-autotune-no-cudagraphs"}])
+def test_gradient_penalty_through_scatter_add_on_a_view_with_inductor(options):
+    # With inductor's reordering for locality off (and fusion on), the double backward of
+    # scatter_add_ on a slice read the scatter's buffer before the scatter wrote it: a
+    # region tracing an in-place op on a view compiles without fusion too.
+    def run(backward):
+        torch.manual_seed(0)
+        x = torch.randn(4, 5, requires_grad=True)
+        v = torch.randn(4, 3, requires_grad=True)
+        y = x * 2
+        index = torch.tensor([[0, 2, 2], [1, 0, 2], [2, 2, 0], [0, 0, 0]])
+        y[:, 1:4].scatter_add_(1, index, v * v)
+        gx, gv = torch.autograd.grad(y.sin().sum(), (x, v), create_graph=True)
+        penalty = (gx.norm() - 1) ** 2 + (gv.norm() - 1) ** 2
+        names = sorted({node.name() for node in _all_nodes(penalty)})
+        backward(penalty)
+        return names, grads_of([x, v])
+
+    compare(run, "inductor", **options)
+
+
 # ---- sparse, mixed dtypes, broadcasting ---------------------------------------------------
 
 

@@ -112,8 +112,9 @@ def check_compiler(compiler: Compiler) -> None:
     _known_backends.add(compiler)
 
 
-def _compile(fn: Callable[..., Any], config: Config) -> Callable[..., Any]:
-    """``fn`` compiled with ``config``. What the compiler raises here (a compiler callable
+def _compile(fn: Callable[..., Any], config: Config, views: bool = False) -> Callable[..., Any]:
+    """``fn`` compiled with ``config``; ``views``: it traces in-place ops on views (see
+    :data:`_INDUCTOR_VIEW_OPTIONS`). What the compiler raises here (a compiler callable
     failing, ``torch.compile`` rejecting its options) is marked as a compile failure (see
     :func:`compile_failed`)."""
     compiler = config.compiler
@@ -121,7 +122,9 @@ def _compile(fn: Callable[..., Any], config: Config) -> Callable[..., Any]:
         return fn
     try:
         if isinstance(compiler, str):
-            kwargs = _inductor_kwargs(config.kwargs) if compiler == "inductor" else config.kwargs
+            kwargs = config.kwargs
+            if compiler == "inductor":
+                kwargs = _inductor_kwargs(kwargs, views)
             return torch.compile(fn, backend=compiler, **kwargs)
         compiled = compiler(fn)
         if not callable(compiled):
@@ -139,18 +142,24 @@ _INDUCTOR_DEFAULTS = {
     # Inductor asserts every input's sizes and strides on each call, which Dynamo's guards
     # have just checked: a replay has hundreds of inputs (its saved values).
     "size_asserts": False,
-    # Reordering for locality, inductor's scheduler (torch 2.13) moves the read of a view of a
-    # buffer after a write through another view of it: two CopySlices steps in a row (in-place
-    # ops on views of a tensor) lost a gradient, as under torch's compiled autograd. No
-    # measurable cost on the benchmark workloads.
-    "reorder_for_locality": False,
 }
 
+#: And for regions that trace a CopySlices step (an in-place op on a view). Its traced form
+#: writes a window of a copy of its gradient (``as_strided_scatter``, which inductor turns
+#: into an in-place write), and inductor's scheduler (torch 2.13) can order a read of that
+#: buffer after the write: with its reordering for locality, the double backward of two
+#: in-place ops on views lost gradients (as under torch's compiled autograd); without it,
+#: fusion put a read of a ``scatter_add`` buffer before the scatter (the double backward of
+#: ``scatter_add_`` on a slice). Neither happens with the reordering off and no fusion,
+#: which these regions give up.
+_INDUCTOR_VIEW_OPTIONS = {"reorder_for_locality": False, "max_fusion_size": 1}
 
-def _inductor_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``torch.compile``'s keyword arguments for inductor, with :data:`_INDUCTOR_DEFAULTS`.
-    A ``mode`` is passed as the options it stands for (torch.compile takes one or the
-    other); an unknown one, or both, are passed on for torch.compile to reject."""
+
+def _inductor_kwargs(kwargs: dict[str, Any], views: bool = False) -> dict[str, Any]:
+    """``torch.compile``'s keyword arguments for inductor, with :data:`_INDUCTOR_DEFAULTS`
+    (and :data:`_INDUCTOR_VIEW_OPTIONS` for ``views``). A ``mode`` is passed as the options
+    it stands for (torch.compile takes one or the other); an unknown one, or both, are
+    passed on for torch.compile to reject."""
     mode = kwargs.get("mode")
     if mode is not None and "options" in kwargs:
         return kwargs
@@ -160,8 +169,9 @@ def _inductor_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
             options = torch._inductor.list_mode_options(mode, kwargs.get("dynamic"))
         except RuntimeError:
             return kwargs
+    ours = {**_INDUCTOR_DEFAULTS, **(_INDUCTOR_VIEW_OPTIONS if views else {})}
     rest = {k: v for k, v in kwargs.items() if k != "mode"}
-    return {**rest, "options": {**_INDUCTOR_DEFAULTS, **options, **(kwargs.get("options") or {})}}
+    return {**rest, "options": {**ours, **options, **(kwargs.get("options") or {})}}
 
 
 def compile_failed(error: BaseException) -> bool:
@@ -335,7 +345,7 @@ class ReplayCache:
             with self._lock:
                 compiled = self._regions.get(key)
             if compiled is None:
-                compiled = _Compiled(_compile(fn, config))
+                compiled = _Compiled(_compile(fn, config, region.in_place_on_views))
                 with self._lock:
                     self._regions[key] = compiled
             return compiled

@@ -638,6 +638,9 @@ class Region:
     saved: tuple[int, int]
     sizes: tuple[int, int]
     hooks: tuple[int, int]
+    #: It traces a CopySlices step (an in-place op on a view), which inductor miscompiles
+    #: with its default options (see ``replaygrad._compile``).
+    in_place_on_views: bool = False
 
 
 @dataclass(frozen=True)
@@ -770,10 +773,16 @@ def regions(
                 (a, b),
                 (size_ranges[start][0], size_ranges[end - 1][1]) if end > start else (0, 0),
                 (python_hooks, python_hooks + used),
+                any(_traced_copy_slices(steps[s], s, opaque) for s in range(start, end)),
             )
         )
         python_hooks += used
     return tuple(out)
+
+
+def _traced_copy_slices(step: tuple, s: int, opaque: frozenset[int]) -> bool:
+    """Whether plan step ``s`` is a CopySlices (an in-place op on a view) that is traced."""
+    return step[0] == "torch::autograd::CopySlices" and step[2] == "traced" and s not in opaque
 
 
 def _meta(value: Any) -> Any:
