@@ -198,12 +198,9 @@ impl PyPlan {
 
     /// The grad_fn objects of the steps, in execution order.
     fn nodes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let mut out = Vec::with_capacity(self.plan.num_steps());
-        for step in 0..self.plan.num_steps() as u32 {
-            let ptr = self.plan.node(step)?.to_pyobject()?;
-            // SAFETY: a new reference from functionToPyObject.
-            out.push(unsafe { Bound::from_owned_ptr(py, ptr) });
-        }
+        let out = (0..self.plan.num_steps() as u32)
+            .map(|step| self.node_object(py, step))
+            .collect::<PyResult<Vec<_>>>()?;
         PyList::new(py, out)
     }
 
