@@ -569,14 +569,36 @@ bool edge_dims(const Node& node, std::vector<int64_t>& out) {
   return true;
 }
 
-// Stands in for torch's compiled-autograd compiler while a generated node runs through its
-// apply_with_saved: between swapping its state in and back, that method hands the work to
-// call_function, which runs the node's own apply() on the swapped state. An error from the
-// node is kept and rethrown by the caller once apply_with_saved has swapped everything back
-// (it does not undo its swaps on an exception).
+// Whether a node's apply_with_saved runs through the compiler interface's call_function
+// (see LiftedApply): torch's generated formulas and CopyBackwards (copy_, e.g. of an indexed
+// assignment `x[i] = y`).
+bool has_functional_form(const Node& node) {
+  return std::strncmp(typeid(node).name(), kGeneratedPrefix, std::strlen(kGeneratedPrefix)) == 0 ||
+         typeid(node) == typeid(torch::autograd::CopyBackwards);
+}
+
+// The node whose formula a lifted apply of `node` runs: the in-place op's node for a
+// CopySlices (which wraps it), the node itself otherwise.
+Node& formula_node(Node& node) {
+  if (typeid(node) == typeid(torch::autograd::CopySlices)) {
+    const auto& fn = static_cast<torch::autograd::CopySlices&>(node).fn;
+    if (fn) {
+      return *fn;
+    }
+  }
+  return node;
+}
+
+// Stands in for torch's compiled-autograd compiler while a generated node (or a CopySlices
+// wrapping one) runs through its apply_with_saved: between swapping its state in and back,
+// that method hands the work to call_function, which runs the node's own apply() on the
+// swapped state; a CopySlices hands over its own steps around that call (the prologue and
+// epilogue below, which do what its apply() does, on its swapped geometry). An error is kept
+// and rethrown by the caller once apply_with_saved has swapped everything back (it does not
+// undo its swaps on an exception); the calls after it do nothing.
 class LiftedApply : public PyCompilerInterface {
  public:
-  explicit LiftedApply(Node& node) : node_(node) {}
+  explicit LiftedApply(Node& node) : node_(formula_node(node)) {}
 
   std::string bind_function(PyObject* /*py_compiler*/, const std::string& fn_name,
                             torch::dynamo::autograd::functional_apply_t fn,
@@ -627,12 +649,67 @@ class LiftedApply : public PyCompilerInterface {
                               const c10::IValue& /*output_metadata*/) const override {
     TORCH_CHECK(std::strcmp(method_name, "apply_functional") == 0,
                 "replaygrad: unexpected compiled-autograd call ", method_name);
+    if (error_) {
+      return {};
+    }
     try {
       return node_(variable_list(inputs));
     } catch (...) {
       error_ = std::current_exception();
       return {};
     }
+  }
+
+  // CopySlices, before its node: the gradient of the whole base, and the window of it that
+  // the in-place op wrote (and a contiguous copy of that window, the node's input).
+  variable_list call_copy_slices_prologue(PyObject* /*py_compiler*/, const variable_list& inputs,
+                                          const at::TensorGeometry& base,
+                                          const at::TensorGeometry& view) const override {
+    if (error_) {
+      return variable_list(3);
+    }
+    try {
+      const at::Tensor& grad = inputs.at(0);
+      auto result = grad.new_empty_strided_symint(base.sym_sizes(), base.sym_strides());
+      result.copy_(grad);
+      auto window = result.as_strided_symint(view.sym_sizes(), view.sym_strides(),
+                                             view.sym_storage_offset() - base.sym_storage_offset());
+      auto input = window.clone(at::MemoryFormat::Contiguous);
+      return {std::move(result), std::move(window), std::move(input)};
+    } catch (...) {
+      error_ = std::current_exception();
+      return variable_list(3);
+    }
+  }
+
+  // CopySlices, after its node: the node's gradient for the view written into the window
+  // (the base's gradient), its other gradients as they are.
+  variable_list call_copy_slices_epilogue(PyObject* /*py_compiler*/,
+                                          const std::vector<bool>& needs_input_grad,
+                                          const at::Tensor& result, const variable_list& res,
+                                          const at::Tensor& grad_slice) const override {
+    variable_list grads(needs_input_grad.size());
+    if (error_) {
+      return grads;
+    }
+    try {
+      for (size_t i = 0; i < res.size() && i < grads.size(); ++i) {
+        if (!needs_input_grad[i] || !res[i].defined()) {
+          continue;
+        }
+        if (i == 0) {
+          at::Tensor window = grad_slice;
+          window.copy_(res[0]);
+          grads[0] = result;
+        } else {
+          grads[i] = res[i];
+        }
+      }
+    } catch (...) {
+      error_ = std::current_exception();
+      return variable_list(needs_input_grad.size());
+    }
+    return grads;
   }
 
   void rethrow() const {
@@ -1157,10 +1234,11 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
        !plain_saved_objects(unpacked, compiler.tensor_args.inputs))) {
     return opaque();
   }
-  // A generated node's sizes can be lifted (see rg_node_apply_lifted).
-  if (compiler.lifted_ivalue_args.args.size() == ivalues_before &&
-      std::strncmp(typeid(node).name(), kGeneratedPrefix, std::strlen(kGeneratedPrefix)) == 0 &&
-      liftable_type(node)) {
+  // The sizes of a generated node, or of a CopySlices wrapping one, can be lifted (see
+  // rg_node_apply_lifted).
+  Node& formula = formula_node(node);
+  if (compiler.lifted_ivalue_args.args.size() == ivalues_before && has_functional_form(formula) &&
+      liftable_type(formula)) {
     *lifted = 1;
   }
   auto& ivalues = compiler.lifted_ivalue_args.args;
@@ -1379,7 +1457,7 @@ rg_status rg_node_apply_lifted(rg_node* n, const rg_tensor* const* inputs, size_
 
 rg_status rg_node_type_not_liftable(rg_node* n) {
   RG_TRY
-  const Node& node = *as_node(n);
+  const Node& node = formula_node(*as_node(n));
   std::lock_guard<std::mutex> lock(unliftable_mutex);
   unliftable_types.insert(&typeid(node));
   any_unliftable.store(true, std::memory_order_release);

@@ -141,7 +141,8 @@ void rg_collector_free(rg_collector* c);
 // collector. Outputs the number appended, the node's specialisation bytes and size inputs
 // (valid until the next call). *supported is 0 when the node does not implement
 // compiled_args (nothing is appended then). *lifted is 1 when the sizes can be given to
-// rg_node_apply_lifted instead of the node's own (one of torch's generated nodes), preceded
+// rg_node_apply_lifted instead of the node's own (one of torch's generated nodes or
+// CopyBackwards, or a CopySlices wrapping one), preceded
 // by the dims of the input metadata its valid edges point at (what its outputs are
 // validated against; the caller has them from rg_node_describe).
 rg_status rg_collector_visit(rg_collector* c, rg_node* node, int* supported, size_t* n_saved,
@@ -181,8 +182,9 @@ rg_status rg_node_apply(rg_node* node, const rg_tensor* const* inputs, size_t n_
 rg_status rg_node_apply_lifted(rg_node* node, const rg_tensor* const* inputs, size_t n_inputs,
                                const rg_tensor* const* saved, size_t n_saved, PyObject* sizes,
                                rg_tensor** out, size_t cap, size_t* n_out);
-// From now on, nodes of this node's type are not lifted (see rg_collector_visit): their
-// sizes are part of the key. For types whose formula fails on symbolic sizes.
+// From now on, nodes of this node's type (for a CopySlices: of the type it wraps) are not
+// lifted (see rg_collector_visit): their sizes are part of the key. For types whose formula
+// fails on symbolic sizes.
 rg_status rg_node_type_not_liftable(rg_node* node);
 // Runs an AccumulateGrad node on `grad`, which it takes over: the handle is left undefined,
 // so that AccumulateGrad can steal a gradient no one else holds (make it .grad without a

@@ -389,8 +389,8 @@ def test_batch_size_changes_compile_at_most_twice():
 
 def _shape_program(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Nodes that keep sizes (view, expand, sum over dims, mean, softmax, layer_norm, cat,
-    index), broadcasting that validate_outputs reduces, an in-place op on a view (CopySlices,
-    whose sizes stay in the key) and a custom Function."""
+    index), broadcasting that validate_outputs reduces, in-place ops on views (CopySlices
+    wrapping a generated node, and an indexed assignment's copy_) and a custom Function."""
     batch, seq, _ = x.shape
     h = torch.nn.functional.layer_norm(x @ w + b, (w.shape[1],))
     h = h.softmax(-1) * b.view(1, 1, -1)  # broadcast: reduced to b's shape
@@ -398,6 +398,7 @@ def _shape_program(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.T
     h = Doubling.apply(h)
     h = h.clone()
     h[:, 0] *= 3
+    h[:, 1:3].mul_(h[:, 3:5].sigmoid())
     return h.sum(1).mean() + h[:, :seq].tanh().mean(0).sum()
 
 
@@ -415,9 +416,40 @@ def test_changing_shapes_match_eager_with_one_replay_per_structure(compiler):
         replays += replaygrad.cache_info().misses - misses
         for got, e in zip((x.grad, w.grad, b.grad), expected):
             torch.testing.assert_close(got, e)
-    # The custom Function's and CopySlices' sizes stay in the key: one replay per shape
-    # they see (seq = 1 is a different graph too: its slice is a no-op).
-    assert replays <= 5
+    # One replay, and one for seq = 1 (a different graph: its slice is a no-op).
+    assert replays == 2
+
+
+def _in_place_on_views(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """In-place ops on views of several kinds (each a CopySlices, whose base and view
+    geometry are sizes, strides and offsets) and copies into a buffer (CopyBackwards)."""
+    h = (x * w).clone()
+    h[:, :2] *= 3
+    h[:, 1] = x[:, 0].sin() * w[1]
+    h.t()[2:4].mul_(x.t()[:2].exp())
+    h[1:][:, 2:].sigmoid_()
+    buffer = torch.zeros(x.shape[0] + 2, x.shape[1], dtype=torch.float64)
+    buffer[1:-1].copy_(h)
+    return (buffer.float().tanh()[1:-1] * x.sum(1, keepdim=True)).sum() + buffer.sum()
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_in_place_ops_on_views_take_changing_shapes_as_inputs(create_graph):
+    """CopySlices and CopyBackwards sizes are replay inputs like those of generated nodes:
+    one replay, traced again once with dynamic sizes, serves every shape."""
+    w = torch.randn(12, requires_grad=True)
+
+    def loss(x, w):
+        if not create_graph:
+            return _in_place_on_views(x, w)
+        gx, gw = torch.autograd.grad(_in_place_on_views(x, w), (x, w), create_graph=True)
+        return gx.square().sum() + gw.pow(3).sum()
+
+    counters.clear()
+    for batch in (3, 5, 4, 7, 3, 6):
+        assert_like_eager(loss, [torch.randn(batch, 12, requires_grad=True), w])
+    assert lookups() == (1, 5)
+    assert unique_graphs() <= 2, f"{unique_graphs()} Dynamo graphs"
 
 
 def test_dynamic_false_specialises_every_shape():
