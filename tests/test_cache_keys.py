@@ -452,6 +452,66 @@ def test_in_place_ops_on_views_take_changing_shapes_as_inputs(create_graph):
     assert unique_graphs() <= 2, f"{unique_graphs()} Dynamo graphs"
 
 
+def _masked_update(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """MoE-style routing: only the rows a boolean mask selects are updated (the backward of
+    ``out[mask] += ...`` indexes with the mask: its sizes depend on the mask's data)."""
+    h = x @ w
+    out = torch.zeros_like(h)
+    out[mask] += h[mask].tanh()
+    return out.square().sum()
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_a_mask_selecting_another_count_each_call_compiles_one_replay(compiler):
+    """The first call runs the masked step outside the graph (Dynamo cannot size its
+    output); the replay is then compiled again capturing such ops, once more with dynamic
+    sizes when the count changes, and serves every count from then on, with no graph
+    break."""
+    w = torch.randn(4, 4, requires_grad=True)
+    counters.clear()
+    graphs = []
+    for count in (2, 5, 3, 7, 6, 4):
+        x = torch.randn(8, 4)
+        mask = torch.zeros(8, dtype=torch.bool)
+        mask[torch.randperm(8)[:count]] = True
+        expected = torch.autograd.grad(_masked_update(x, w, mask), w)[0]
+        w.grad = None
+        replaygrad.backward(_masked_update(x, w, mask), compiler=compiler)
+        torch.testing.assert_close(w.grad, expected)
+        graphs.append((unique_graphs(), sum(counters["graph_break"].values())))
+    assert lookups() == (1, 5)
+    assert graphs[2:] == [graphs[2]] * 4, f"Dynamo graphs and graph breaks per call: {graphs}"
+    assert graphs[2][1] == graphs[0][1], "graph breaks after the first call"
+
+
+def test_a_replay_that_fails_to_compile_capturing_data_dependent_sizes_breaks_the_graph():
+    """If the compiler fails on a replay compiled to capture ``aten.nonzero``, the replay
+    runs such steps outside the graph again, from that call on."""
+    failures = []
+
+    def backend(gm, example_inputs):
+        if torch._dynamo.config.capture_dynamic_output_shape_ops:
+            failures.append(gm)
+            raise RuntimeError("this backend takes no data-dependent sizes")
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    def compiler(fn):
+        return torch.compile(fn, backend=backend)
+
+    w = torch.randn(4, 4, requires_grad=True)
+    counters.clear()
+    for count in (2, 5, 3, 6):
+        x = torch.randn(8, 4)
+        mask = torch.zeros(8, dtype=torch.bool)
+        mask[:count] = True
+        expected = torch.autograd.grad(_masked_update(x, w, mask), w)[0]
+        w.grad = None
+        replaygrad.backward(_masked_update(x, w, mask), compiler=compiler)
+        torch.testing.assert_close(w.grad, expected)
+    assert len(failures) == 1
+    assert lookups() == (1, 3)
+
+
 def test_dynamic_false_specialises_every_shape():
     counters.clear()
     _mlp_over_batches((*BATCH_SIZES, 8), dynamic=False)

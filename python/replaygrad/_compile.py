@@ -112,11 +112,13 @@ def check_compiler(compiler: Compiler) -> None:
     _known_backends.add(compiler)
 
 
-def _compile(fn: Callable[..., Any], config: Config, views: bool = False) -> Callable[..., Any]:
+def _compile(
+    fn: Callable[..., Any], config: Config, views: bool = False, capture: bool = False
+) -> Callable[..., Any]:
     """``fn`` compiled with ``config``; ``views``: it traces in-place ops on views (see
-    :data:`_INDUCTOR_VIEW_OPTIONS`). What the compiler raises here (a compiler callable
-    failing, ``torch.compile`` rejecting its options) is marked as a compile failure (see
-    :func:`compile_failed`)."""
+    :data:`_INDUCTOR_VIEW_OPTIONS`); ``capture``: see :func:`_capturing`. What the compiler
+    raises here (a compiler callable failing, ``torch.compile`` rejecting its options) is
+    marked as a compile failure (see :func:`compile_failed`)."""
     compiler = config.compiler
     if compiler is None:
         return fn
@@ -125,16 +127,37 @@ def _compile(fn: Callable[..., Any], config: Config, views: bool = False) -> Cal
             kwargs = config.kwargs
             if compiler == "inductor":
                 kwargs = _inductor_kwargs(kwargs, views)
-            return torch.compile(fn, backend=compiler, **kwargs)
-        compiled = compiler(fn)
-        if not callable(compiled):
-            raise TypeError(
-                f"the compiler {compiler!r} returned {type(compiled).__name__}, not a callable"
-            )
-        return compiled
+            compiled = torch.compile(fn, backend=compiler, **kwargs)
+        else:
+            compiled = compiler(fn)
+            if not callable(compiled):
+                raise TypeError(
+                    f"the compiler {compiler!r} returned {type(compiled).__name__}, not a callable"
+                )
+        return _capturing(compiled) if capture else compiled
     except Exception as error:
         error.__replaygrad_compile_failed__ = True  # type: ignore[attr-defined]
         raise
+
+
+def _capturing(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled``, called with Dynamo capturing ops whose output sizes depend on data
+    (``capture_dynamic_output_shape_ops``, read when Dynamo compiles, which happens inside
+    a call): for replays with a step such as the backward of ``out[mask] += x``, whose
+    formula indexes with the mask. Without it Dynamo runs the step outside the graph, a
+    graph break on every call. The setting is process-wide: another thread compiling
+    during such a call sees it too."""
+    config = torch._dynamo.config
+
+    def call(*args: Any) -> Any:
+        prior = config.capture_dynamic_output_shape_ops
+        config.capture_dynamic_output_shape_ops = True
+        try:
+            return compiled(*args)
+        finally:
+            config.capture_dynamic_output_shape_ops = prior
+
+    return call
 
 
 #: Inductor options a replay is compiled with unless the user's options (or mode) set them.
@@ -192,6 +215,9 @@ class Entry:
     failed: bool = False
     #: Traced steps that run as themselves instead (they handle non-strided tensors).
     opaque: frozenset[int] = frozenset()
+    #: Its regions are compiled capturing ops whose output sizes depend on data (see
+    #: :func:`_capturing`).
+    capture: bool = False
 
 
 class _Compiled:
@@ -229,12 +255,15 @@ class ReplayCache:
     misses: int = 0
     _entries: OrderedDict[tuple[Config, str], Entry] = field(default_factory=OrderedDict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _regions: weakref.WeakValueDictionary[tuple[Config, str], _Compiled] = field(
+    _regions: weakref.WeakValueDictionary[tuple[Config, str, bool], _Compiled] = field(
         default_factory=weakref.WeakValueDictionary
     )
     #: Keys of the replays compiled per (config, plan shape) (see :func:`plan_shape`), for
     #: the shapes seen last (four times as many as entries).
     _variants: OrderedDict[tuple[Config, bytes], set[str]] = field(default_factory=OrderedDict)
+    #: Plans whose replay failed to compile capturing data-dependent sizes (see
+    #: :meth:`capture_data_dependent`): theirs keep running such steps outside the graph.
+    _capture_failed: set[tuple[Config, str]] = field(default_factory=set)
 
     def get(self, plan: _core.Plan, config: Config) -> Entry | None:
         """The cached replay of ``plan``, compiled if it is new; None when the plan's shape
@@ -300,7 +329,9 @@ class ReplayCache:
             plan.key,
             reason,
         )
-        entry.replay = self._build(plan, config, False, entry.opaque, entry.replay.escapes)
+        entry.replay = self._build(
+            plan, config, False, entry.opaque, entry.replay.escapes, entry.capture
+        )
 
     def run_as_themselves(
         self, entry: Entry, plan: _core.Plan, config: Config, steps: set[int]
@@ -316,7 +347,49 @@ class ReplayCache:
         )
         entry.opaque |= steps
         entry.replay = self._build(
-            plan, config, entry.replay.hooks_in_graph, entry.opaque, entry.replay.escapes
+            plan,
+            config,
+            entry.replay.hooks_in_graph,
+            entry.opaque,
+            entry.replay.escapes,
+            entry.capture,
+        )
+
+    def capture_data_dependent(self, entry: Entry, plan: _core.Plan, config: Config) -> None:
+        """Rebuilds ``entry`` with its regions compiled capturing ops whose output sizes
+        depend on data: a traced step's formula used one (e.g. the backward of indexing
+        with a boolean mask), which Dynamo otherwise runs outside the graph, on every
+        call."""
+        if (config, plan.key) in self._capture_failed:
+            return
+        recompiles_log.info(
+            "replay %s: a step's output sizes depend on data (e.g. a boolean mask); "
+            "compiling it again with torch._dynamo.config.capture_dynamic_output_shape_ops",
+            plan.key,
+        )
+        self._set_capture(entry, plan, config, True)
+
+    def stop_capturing(self, entry: Entry, plan: _core.Plan, config: Config) -> None:
+        """Rebuilds ``entry`` as before :meth:`capture_data_dependent`, for good: compiling
+        it that way failed."""
+        recompiles_log.info(
+            "compiling replay %s capturing data-dependent sizes failed; its steps with such "
+            "sizes run outside the graph again",
+            plan.key,
+        )
+        with self._lock:
+            self._capture_failed.add((config, plan.key))
+        self._set_capture(entry, plan, config, False)
+
+    def _set_capture(self, entry: Entry, plan: _core.Plan, config: Config, capture: bool) -> None:
+        entry.capture = capture
+        entry.replay = self._build(
+            plan,
+            config,
+            entry.replay.hooks_in_graph,
+            entry.opaque,
+            entry.replay.escapes,
+            capture,
         )
 
     def keep_hooks_in_graph(self, entry: Entry, plan: _core.Plan, config: Config) -> None:
@@ -327,7 +400,7 @@ class ReplayCache:
             "compiling replay %s failed with hooks leaving the graph; keeping them in it",
             plan.key,
         )
-        entry.replay = self._build(plan, config, True, entry.opaque, False)
+        entry.replay = self._build(plan, config, True, entry.opaque, False, entry.capture)
 
     def _build(
         self,
@@ -336,16 +409,17 @@ class ReplayCache:
         hooks_in_graph: bool,
         opaque: frozenset[int],
         escapes: bool,
+        capture: bool = False,
     ) -> Replay:
         """The replay of ``plan``, its regions compiled with ``config`` (or taken from other
-        cached replays that have them)."""
+        cached replays that have them); ``capture``: see :func:`_capturing`."""
 
         def compile_region(region: Region, fn: Callable[..., Any]) -> Callable[..., Any]:
-            key = (config, region.key)
+            key = (config, region.key, capture)
             with self._lock:
                 compiled = self._regions.get(key)
             if compiled is None:
-                compiled = _Compiled(_compile(fn, config, region.in_place_on_views))
+                compiled = _Compiled(_compile(fn, config, region.in_place_on_views, capture))
                 with self._lock:
                     self._regions[key] = compiled
             return compiled
@@ -380,6 +454,7 @@ class ReplayCache:
             self._entries.clear()
             self._regions.clear()
             self._variants.clear()
+            self._capture_failed.clear()
             self.hits = self.misses = 0
 
     def __len__(self) -> int:

@@ -277,6 +277,10 @@ def _call_until_done(
             step = traced_step(error)
             steps: set[int] = set()
             hooks = None
+            if entry.capture and _compile_failure(error) and node_error(error) is None:
+                run.pending.clear()
+                cache.stop_capturing(entry, plan, config)
+                continue
             if step is not None and step not in entry.opaque:
                 steps = {step}
             elif _compile_failure(error) and node_error(error) is None:
@@ -365,6 +369,8 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
             if raised is not None and raised is not error:
                 raise raised.with_traceback(raised.__traceback__) from None
             raise
+        if entry.capture:
+            cache.stop_capturing(entry, plan, config)
         if not run.restartable:
             # Hooks, graph breaks or accumulations of this call ran before the compile of a
             # later region failed: the engine would run them again. As after an error, the
@@ -406,5 +412,7 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
             )
         elif run.asked_node:
             cache.move_hooks_outside(entry, plan, config, _ASKS_NODE)
+    if run.data_dependent and not entry.capture and config.compiler is not None:
+        cache.capture_data_dependent(entry, plan, config)
     plan.release_variables()
     return () if plan.accumulate_grad else tuple(captured)

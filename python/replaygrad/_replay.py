@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from . import _core
 
@@ -69,6 +70,9 @@ class running:
         self.outer: Any = None
         #: Code traced into a compiled graph (a hook) asked for the current autograd node.
         self.asked_node = False
+        #: A traced step's formula produced sizes that depend on data (see
+        #: :data:`_DATA_DEPENDENT`), so Dynamo ran it outside the graph.
+        self.data_dependent = False
 
     def __enter__(self) -> running:
         self.prior = getattr(_tls, "run", None)
@@ -170,9 +174,13 @@ def apply_traced(step: int, inputs: list, saved: list, sizes: list | None = None
     # Only a step run for real is reached (tracing runs a region's steps before any runs).
     plan_step = run.base + step if tracing else _step(step)
     function = not tracing and run.plan.kind(plan_step) == "python_function"
+    dynamo_run = tracing and _dynamo_fake_run()
     try:
-        if tracing and sizes is not None and any(isinstance(v, torch.SymInt) for v in sizes):
-            outputs = _apply_symbolic(run.plan, plan_step, inputs, saved, sizes)
+        if dynamo_run:
+            with _internal_unbacked_sizes():
+                outputs = _apply(run.plan, plan_step, inputs, saved, sizes)
+        elif tracing:
+            outputs = _apply(run.plan, plan_step, inputs, saved, sizes)
         elif function:
             # Run for real, a Python Function's backward gets the tensors it saved, the very
             # objects (ctx.saved_tensors), as in eager: not the replay's detached values.
@@ -189,6 +197,18 @@ def apply_traced(step: int, inputs: list, saved: list, sizes: list | None = None
             if tracing:
                 # Raised on the values being traced, before anything ran: see traced_step.
                 error.__replaygrad_traced_step__ = plan_step  # type: ignore[attr-defined]
+        elif tracing and isinstance(error, _DATA_DEPENDENT):
+            run.data_dependent = True
+            if isinstance(error, GuardOnDataDependentSymNode) and dynamo_run:
+                # A branch on a size only known at run time (while Dynamo captures ops
+                # whose output sizes depend on data): Dynamo would fail the compile.
+                torch._dynamo.exc.unimplemented(
+                    gb_type="replaygrad: data-dependent branch in a backward formula",
+                    context=f"step {plan_step}",
+                    explanation="the step runs outside the graph",
+                    hints=[],
+                    from_exc=error,
+                )
         raise
     if function:
         # Its backward is user code: it may modify in place a tensor a later step saved,
@@ -204,6 +224,32 @@ def apply_traced(step: int, inputs: list, saved: list, sizes: list | None = None
             # are undefined at run time. (A Python Function may materialize zeros.)
             return (None,) * len(outputs)
     return outputs
+
+
+def _apply(plan: _core.Plan, step: int, inputs: list, saved: list, sizes: list | None) -> tuple:
+    """A traced step run on the values being traced."""
+    if sizes is not None and any(isinstance(v, torch.SymInt) for v in sizes):
+        return _apply_symbolic(plan, step, inputs, saved, sizes)
+    return plan.apply(step, inputs, saved)
+
+
+def _dynamo_fake_run() -> bool:
+    """Whether a traced step runs for Dynamo, which runs it on fake tensors for the
+    metadata of its outputs (and AOTAutograd then traces it into ATen ops, under a proxy
+    mode)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is None
+
+
+def _internal_unbacked_sizes() -> contextlib.AbstractContextManager[None]:
+    """For Dynamo's run of a step: sizes only known at run time that the step's formula
+    makes (``aten.nonzero`` of a mask, when Dynamo captures such ops) stay inside it (a
+    gradient has the shape of its node's input), so Dynamo is not to look for them in its
+    outputs. (AOTAutograd, tracing the formula's ATen ops, binds them where they are made.)"""
+    mode = torch._guards.detect_fake_mode()
+    shape_env = getattr(mode, "shape_env", None)
+    if shape_env is None:
+        return contextlib.nullcontext()
+    return shape_env.ignore_fresh_unbacked_symbols()
 
 
 def apply_function(
@@ -224,11 +270,17 @@ def _apply_symbolic(plan: _core.Plan, step: int, inputs: list, saved: list, size
     upsampling's backward), it is traced with the sizes it keeps instead, the symbolic ones
     specialised to those (guarded), and later plans keep the sizes of nodes of its type in
     their key (so that other sizes make other replays, not recompiles of this one); an
-    error of the node itself is raised again there."""
+    error of the node itself is raised again there. A formula whose output sizes depend on
+    data (e.g. indexing with a boolean mask: ``aten.nonzero``) fails on fake tensors
+    whatever the sizes: that is raised as it is, and Dynamo runs the step outside the graph,
+    as with static sizes (so a mask selecting another count each call needs no new replay).
+    """
     log = logging.getLogger("torch._subclasses.fake_tensor")
     quiet, log.disabled = log.disabled, True  # it logs the kernel's failure as an error
     try:
         return plan.apply(step, inputs, saved, sizes)
+    except _DATA_DEPENDENT:
+        raise
     except Exception:
         plan.mark_not_liftable(step)
         for v in sizes:
@@ -266,6 +318,15 @@ class non_strided_steps:
         _tls.non_strided = self.prior
 
 
+# What a formula raises on fake tensors when sizes depend on tensor data (e.g. indexing
+# with a boolean mask: aten.nonzero). Dynamo runs such a step outside the graph; a replay
+# that had one is compiled again capturing those ops (see ReplayCache.capture_data_dependent).
+_DATA_DEPENDENT = (
+    torch._subclasses.fake_tensor.DataDependentOutputException,
+    torch._subclasses.fake_tensor.DynamicOutputShapeException,
+    GuardOnDataDependentSymNode,
+)
+
 # What a node raises when it is run on fake tensors it cannot handle: a limit of tracing,
 # not an error of the backward itself.
 _TRACING_LIMITS = (
@@ -274,7 +335,7 @@ _TRACING_LIMITS = (
     torch._subclasses.fake_tensor.DynamicOutputShapeException,
     torch._subclasses.fake_tensor.UnsupportedOperatorException,
     torch._subclasses.fake_tensor.UnsupportedFakeTensorException,
-    torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode,
+    GuardOnDataDependentSymNode,
 )
 
 
