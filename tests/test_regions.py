@@ -386,3 +386,33 @@ def test_plan_source_shows_the_regions_a_compiler_runs():
     (entry,) = cache._entries.values()
     assert source.count("def region(") == len(entry.replay.regions) > 3
     assert source == entry.replay.source
+
+
+def test_only_the_region_of_a_data_dependent_step_is_compiled_again():
+    """A step whose formula sizes its output from data (the backward of ``x[mask] += ...``)
+    makes its region be compiled again capturing such ops; the other regions keep their
+    compiled functions."""
+    leaf, w = torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True)
+
+    def loss(mask):
+        h = chain(leaf, w, 30).expand(8) * leaf
+        out = torch.zeros(8)
+        out[mask] += h[mask].tanh()
+        return out.square().sum()
+
+    compiles: list = []
+    compiler = counting(compiles, "aot_eager")
+    for count in (2, 5, 3, 6):
+        mask = torch.zeros(8, dtype=torch.bool)
+        mask[:count] = True
+        loss(mask).backward()
+        expected = grads_of([leaf, w])
+        leaf.grad = w.grad = None
+        replaygrad.backward(loss(mask), compiler=compiler)
+        assert_grads_equal(expected, grads_of([leaf, w]), exact=False)
+        leaf.grad = w.grad = None
+    (entry,) = cache._entries.values()
+    regions = len(entry.replay.regions)
+    assert regions > 3
+    assert len(entry.capture) == 1
+    assert len(compiles) == len({r.key for r in entry.replay.regions}) + 1

@@ -215,9 +215,9 @@ class Entry:
     failed: bool = False
     #: Traced steps that run as themselves instead (they handle non-strided tensors).
     opaque: frozenset[int] = frozenset()
-    #: Its regions are compiled capturing ops whose output sizes depend on data (see
-    #: :func:`_capturing`).
-    capture: bool = False
+    #: Steps whose regions are compiled capturing ops whose output sizes depend on data
+    #: (see :func:`_capturing`).
+    capture: frozenset[int] = frozenset()
 
 
 class _Compiled:
@@ -355,19 +355,23 @@ class ReplayCache:
             entry.capture,
         )
 
-    def capture_data_dependent(self, entry: Entry, plan: _core.Plan, config: Config) -> None:
-        """Rebuilds ``entry`` with its regions compiled capturing ops whose output sizes
-        depend on data: a traced step's formula used one (e.g. the backward of indexing
-        with a boolean mask), which Dynamo otherwise runs outside the graph, on every
-        call."""
+    def capture_data_dependent(
+        self, entry: Entry, plan: _core.Plan, config: Config, steps: set[int]
+    ) -> None:
+        """Rebuilds ``entry`` with the regions of ``steps`` compiled capturing ops whose
+        output sizes depend on data: those steps' formulas use one (e.g. the backward of
+        indexing with a boolean mask), which Dynamo otherwise runs outside the graph, on
+        every call."""
         if (config, plan.key) in self._capture_failed:
             return
         recompiles_log.info(
-            "replay %s: a step's output sizes depend on data (e.g. a boolean mask); "
-            "compiling it again with torch._dynamo.config.capture_dynamic_output_shape_ops",
+            "replay %s: the output sizes of an op in steps %s depend on data (e.g. indexing "
+            "with a boolean mask); compiling their regions again with "
+            "torch._dynamo.config.capture_dynamic_output_shape_ops",
             plan.key,
+            sorted(steps),
         )
-        self._set_capture(entry, plan, config, True)
+        self._set_capture(entry, plan, config, entry.capture | steps)
 
     def stop_capturing(self, entry: Entry, plan: _core.Plan, config: Config) -> None:
         """Rebuilds ``entry`` as before :meth:`capture_data_dependent`, for good: compiling
@@ -379,9 +383,11 @@ class ReplayCache:
         )
         with self._lock:
             self._capture_failed.add((config, plan.key))
-        self._set_capture(entry, plan, config, False)
+        self._set_capture(entry, plan, config, frozenset())
 
-    def _set_capture(self, entry: Entry, plan: _core.Plan, config: Config, capture: bool) -> None:
+    def _set_capture(
+        self, entry: Entry, plan: _core.Plan, config: Config, capture: frozenset[int]
+    ) -> None:
         entry.capture = capture
         entry.replay = self._build(
             plan,
@@ -409,17 +415,19 @@ class ReplayCache:
         hooks_in_graph: bool,
         opaque: frozenset[int],
         escapes: bool,
-        capture: bool = False,
+        capture: frozenset[int] = frozenset(),
     ) -> Replay:
         """The replay of ``plan``, its regions compiled with ``config`` (or taken from other
-        cached replays that have them); ``capture``: see :func:`_capturing`."""
+        cached replays that have them); the regions of steps in ``capture``: see
+        :func:`_capturing`."""
 
         def compile_region(region: Region, fn: Callable[..., Any]) -> Callable[..., Any]:
-            key = (config, region.key, capture)
+            captures = any(region.start <= s < region.end for s in capture)
+            key = (config, region.key, captures)
             with self._lock:
                 compiled = self._regions.get(key)
             if compiled is None:
-                compiled = _Compiled(_compile(fn, config, region.in_place_on_views, capture))
+                compiled = _Compiled(_compile(fn, config, region.in_place_on_views, captures))
                 with self._lock:
                     self._regions[key] = compiled
             return compiled

@@ -412,7 +412,7 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
             )
         elif run.asked_node:
             cache.move_hooks_outside(entry, plan, config, _ASKS_NODE)
-    if run.data_dependent and not entry.capture and config.compiler is not None:
-        cache.capture_data_dependent(entry, plan, config)
+    if config.compiler is not None and not run.data_dependent <= entry.capture:
+        cache.capture_data_dependent(entry, plan, config, run.data_dependent)
     plan.release_variables()
     return () if plan.accumulate_grad else tuple(captured)

@@ -70,9 +70,9 @@ class running:
         self.outer: Any = None
         #: Code traced into a compiled graph (a hook) asked for the current autograd node.
         self.asked_node = False
-        #: A traced step's formula produced sizes that depend on data (see
-        #: :data:`_DATA_DEPENDENT`), so Dynamo ran it outside the graph.
-        self.data_dependent = False
+        #: Traced steps whose formula made sizes that depend on data (see
+        #: :data:`_DATA_DEPENDENT`), which Dynamo ran outside the graph.
+        self.data_dependent: set[int] = set()
 
     def __enter__(self) -> running:
         self.prior = getattr(_tls, "run", None)
@@ -198,7 +198,7 @@ def apply_traced(step: int, inputs: list, saved: list, sizes: list | None = None
                 # Raised on the values being traced, before anything ran: see traced_step.
                 error.__replaygrad_traced_step__ = plan_step  # type: ignore[attr-defined]
         elif tracing and isinstance(error, _DATA_DEPENDENT):
-            run.data_dependent = True
+            run.data_dependent.add(plan_step)
             if isinstance(error, GuardOnDataDependentSymNode) and dynamo_run:
                 # A branch on a size only known at run time (while Dynamo captures ops
                 # whose output sizes depend on data): Dynamo would fail the compile.
