@@ -9,6 +9,7 @@ scalars of tensor ops are replay inputs).
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import weakref
@@ -510,6 +511,41 @@ def test_a_replay_that_fails_to_compile_capturing_data_dependent_sizes_breaks_th
         torch.testing.assert_close(w.grad, expected)
     assert len(failures) == 1
     assert lookups() == (1, 3)
+
+
+class BranchOnMaskCount(torch.autograd.Function):
+    """A traceable Function whose backward branches on how many elements a mask selects:
+    a size only known at run time once Dynamo captures ``nonzero``."""
+
+    is_traceable = True
+
+    @staticmethod
+    def forward(ctx, x, mask):
+        ctx.save_for_backward(mask)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        (mask,) = ctx.saved_tensors
+        selected = mask.nonzero()
+        scale = 3.0 if selected.shape[0] > 3 else 2.0
+        return grad * scale, None
+
+
+def _branching_loss(w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    h = BranchOnMaskCount.apply(w, mask).view(2, 4)
+    return _masked_update(h, torch.eye(4), mask[:2])
+
+
+def test_a_backward_branching_on_a_data_dependent_size_runs_outside_the_graph():
+    """Once its region captures data-dependent ops, such a step makes Dynamo fail on the
+    branch: it then runs outside the graph (and a count of 1, a new graph, compiles a new
+    replay whose steps are traced in a resume function after a graph break)."""
+    w = torch.randn(8, requires_grad=True)
+    for count in (2, 5, 3, 6, 1, 7):
+        mask = torch.zeros(8, dtype=torch.bool)
+        mask[:count] = True
+        assert_like_eager(functools.partial(_branching_loss, mask=mask), [w])
 
 
 def test_dynamic_false_specialises_every_shape():

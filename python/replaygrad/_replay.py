@@ -172,7 +172,8 @@ def apply_traced(step: int, inputs: list, saved: list, sizes: list | None = None
     tracing = torch._guards.TracingContext.try_get() is not None
     run = _running()
     # Only a step run for real is reached (tracing runs a region's steps before any runs).
-    plan_step = run.base + step if tracing else _step(step)
+    # Traced in a resume function after a graph break, `step` can be a SymInt.
+    plan_step = int(run.base + step) if tracing else _step(step)
     function = not tracing and run.plan.kind(plan_step) == "python_function"
     dynamo_run = tracing and _dynamo_fake_run()
     try:
