@@ -329,9 +329,7 @@ class ReplayCache:
             plan.key,
             reason,
         )
-        entry.replay = self._build(
-            plan, config, False, entry.opaque, entry.replay.escapes, entry.capture
-        )
+        self._rebuild(entry, plan, config, hooks_in_graph=False)
 
     def run_as_themselves(
         self, entry: Entry, plan: _core.Plan, config: Config, steps: set[int]
@@ -346,14 +344,7 @@ class ReplayCache:
             sorted(steps),
         )
         entry.opaque |= steps
-        entry.replay = self._build(
-            plan,
-            config,
-            entry.replay.hooks_in_graph,
-            entry.opaque,
-            entry.replay.escapes,
-            entry.capture,
-        )
+        self._rebuild(entry, plan, config)
 
     def capture_data_dependent(
         self, entry: Entry, plan: _core.Plan, config: Config, steps: set[int]
@@ -371,7 +362,8 @@ class ReplayCache:
             plan.key,
             sorted(steps),
         )
-        self._set_capture(entry, plan, config, entry.capture | steps)
+        entry.capture |= steps
+        self._rebuild(entry, plan, config)
 
     def stop_capturing(self, entry: Entry, plan: _core.Plan, config: Config) -> None:
         """Rebuilds ``entry`` as before :meth:`capture_data_dependent`, for good: compiling
@@ -383,20 +375,8 @@ class ReplayCache:
         )
         with self._lock:
             self._capture_failed.add((config, plan.key))
-        self._set_capture(entry, plan, config, frozenset())
-
-    def _set_capture(
-        self, entry: Entry, plan: _core.Plan, config: Config, capture: frozenset[int]
-    ) -> None:
-        entry.capture = capture
-        entry.replay = self._build(
-            plan,
-            config,
-            entry.replay.hooks_in_graph,
-            entry.opaque,
-            entry.replay.escapes,
-            capture,
-        )
+        entry.capture = frozenset()
+        self._rebuild(entry, plan, config)
 
     def keep_hooks_in_graph(self, entry: Entry, plan: _core.Plan, config: Config) -> None:
         """Rebuilds ``entry`` with its traced hooks kept in the graph whatever their
@@ -406,7 +386,28 @@ class ReplayCache:
             "compiling replay %s failed with hooks leaving the graph; keeping them in it",
             plan.key,
         )
-        entry.replay = self._build(plan, config, True, entry.opaque, False, entry.capture)
+        self._rebuild(entry, plan, config, hooks_in_graph=True, escapes=False)
+
+    def _rebuild(
+        self,
+        entry: Entry,
+        plan: _core.Plan,
+        config: Config,
+        hooks_in_graph: bool | None = None,
+        escapes: bool | None = None,
+    ) -> None:
+        """Builds ``entry``'s replay again for its steps run as themselves and its regions
+        that capture data-dependent sizes, with its hooks where they were unless
+        ``hooks_in_graph`` / ``escapes`` say otherwise."""
+        replay = entry.replay
+        entry.replay = self._build(
+            plan,
+            config,
+            replay.hooks_in_graph if hooks_in_graph is None else hooks_in_graph,
+            entry.opaque,
+            replay.escapes if escapes is None else escapes,
+            entry.capture,
+        )
 
     def _build(
         self,
