@@ -266,15 +266,20 @@ def apply_function(
 
 
 def _apply_symbolic(plan: _core.Plan, step: int, inputs: list, saved: list, sizes: list) -> tuple:
-    """A traced step of torch's run with symbolic lifted sizes. Where the node's formula
-    fails on them (a kernel whose fake implementation takes no symbolic sizes, e.g.
-    upsampling's backward), it is traced with the sizes it keeps instead, the symbolic ones
-    specialised to those (guarded), and later plans keep the sizes of nodes of its type in
-    their key (so that other sizes make other replays, not recompiles of this one); an
-    error of the node itself is raised again there. A formula whose output sizes depend on
-    data (e.g. indexing with a boolean mask: ``aten.nonzero``) fails on fake tensors
-    whatever the sizes: that is raised as it is, and Dynamo runs the step outside the graph,
-    as with static sizes (so a mask selecting another count each call needs no new replay).
+    """A traced step of torch's run with symbolic lifted sizes.
+
+    Where the node's formula fails on them (a kernel whose fake implementation takes no
+    symbolic sizes, e.g. upsampling's backward), Dynamo runs the step outside the graph (a
+    graph break in the graph with dynamic sizes, which serves every size; the error of a
+    node that fails for real is raised there). Traced any other way (a compiler that does
+    not go through Dynamo), the step is traced with the sizes it keeps instead, the
+    symbolic ones specialised to those (guarded), and later plans keep the sizes of nodes
+    of its type in their key.
+
+    A formula whose output sizes depend on data (e.g. indexing with a boolean mask:
+    ``aten.nonzero``) fails on fake tensors whatever the sizes: that is raised as it is,
+    and Dynamo runs the step outside the graph, as with static sizes (so a mask selecting
+    another count each call needs no new replay).
     """
     log = logging.getLogger("torch._subclasses.fake_tensor")
     quiet, log.disabled = log.disabled, True  # it logs the kernel's failure as an error
@@ -282,7 +287,15 @@ def _apply_symbolic(plan: _core.Plan, step: int, inputs: list, saved: list, size
         return plan.apply(step, inputs, saved, sizes)
     except _DATA_DEPENDENT:
         raise
-    except Exception:
+    except Exception as error:
+        if _dynamo_fake_run():
+            torch._dynamo.exc.unimplemented(
+                gb_type="replaygrad: backward formula that takes no symbolic sizes",
+                context=f"step {step}",
+                explanation="the step runs outside the graph",
+                hints=[],
+                from_exc=error,
+            )
         plan.mark_not_liftable(step)
         for v in sizes:
             int(v)  # guard_int: the compiled graph holds for these sizes only
