@@ -774,3 +774,16 @@ def test_nodes_failing_on_symbolic_sizes_run_outside_the_graph_when_sizes_change
     assert seen[0][0] == 1
     assert seen[1] == seen[2] == seen[0], f"(replays, Dynamo graphs) per round: {seen}"
     assert any("takes no symbolic sizes" in k for k in counters["graph_break"])
+
+
+def test_nodes_failing_on_symbolic_sizes_keep_them_in_the_key_under_fullgraph():
+    """Where no graph break is allowed, such a step is traced with its own sizes instead,
+    and its type's sizes go into later keys."""
+    counters.clear()
+    for shape in [(2, 3, 4, 4), (3, 3, 5, 5), (4, 3, 4, 6), (3, 3, 5, 5)]:
+        x = torch.randn(*shape, requires_grad=True)
+        (expected,) = torch.autograd.grad(_upsampled(x), x)
+        (got,) = replaygrad.grad(_upsampled(x), x, compiler=COMPILER, fullgraph=True)
+        torch.testing.assert_close(got, expected)
+    assert not counters["graph_break"]
+    assert replaygrad.cache_info().misses == 3

@@ -200,7 +200,11 @@ def apply_traced(step: int, inputs: list, saved: list, sizes: list | None = None
                 error.__replaygrad_traced_step__ = plan_step  # type: ignore[attr-defined]
         elif tracing and isinstance(error, _DATA_DEPENDENT):
             run.data_dependent.add(plan_step)
-            if isinstance(error, GuardOnDataDependentSymNode) and dynamo_run:
+            if (
+                isinstance(error, GuardOnDataDependentSymNode)
+                and dynamo_run
+                and _graph_breaks_allowed()
+            ):
                 # A branch on a size only known at run time (while Dynamo captures ops
                 # whose output sizes depend on data): Dynamo would fail the compile.
                 torch._dynamo.exc.unimplemented(
@@ -241,6 +245,13 @@ def _dynamo_fake_run() -> bool:
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is None
 
 
+def _graph_breaks_allowed() -> bool:
+    """Whether the frame Dynamo is tracing may break its graph (not under
+    ``fullgraph=True``)."""
+    tx = getattr(torch._dynamo.symbolic_convert.tls, "current_tx", None)
+    return tx is None or not (tx.one_graph or getattr(tx, "error_on_graph_break", False))
+
+
 def _internal_unbacked_sizes() -> contextlib.AbstractContextManager[None]:
     """For Dynamo's run of a step: sizes only known at run time that the step's formula
     makes (``aten.nonzero`` of a mask, when Dynamo captures such ops) stay inside it (a
@@ -271,10 +282,11 @@ def _apply_symbolic(plan: _core.Plan, step: int, inputs: list, saved: list, size
     Where the node's formula fails on them (a kernel whose fake implementation takes no
     symbolic sizes, e.g. upsampling's backward), Dynamo runs the step outside the graph (a
     graph break in the graph with dynamic sizes, which serves every size; the error of a
-    node that fails for real is raised there). Traced any other way (a compiler that does
-    not go through Dynamo), the step is traced with the sizes it keeps instead, the
-    symbolic ones specialised to those (guarded), and later plans keep the sizes of nodes
-    of its type in their key.
+    node that fails for real is raised there). Where no graph break is allowed
+    (``fullgraph=True``) or the step is traced another way (a compiler that does not go
+    through Dynamo), it is traced with the sizes it keeps instead, the symbolic ones
+    specialised to those (guarded), and later plans keep the sizes of nodes of its type in
+    their key.
 
     A formula whose output sizes depend on data (e.g. indexing with a boolean mask:
     ``aten.nonzero``) fails on fake tensors whatever the sizes: that is raised as it is,
@@ -288,7 +300,7 @@ def _apply_symbolic(plan: _core.Plan, step: int, inputs: list, saved: list, size
     except _DATA_DEPENDENT:
         raise
     except Exception as error:
-        if _dynamo_fake_run():
+        if _dynamo_fake_run() and _graph_breaks_allowed():
             torch._dynamo.exc.unimplemented(
                 gb_type="replaygrad: backward formula that takes no symbolic sizes",
                 context=f"step {step}",
