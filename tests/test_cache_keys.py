@@ -787,3 +787,24 @@ def test_nodes_failing_on_symbolic_sizes_keep_them_in_the_key_under_fullgraph():
         torch.testing.assert_close(got, expected)
     assert not counters["graph_break"]
     assert replaygrad.cache_info().misses == 3
+
+
+def test_a_formula_that_fixes_a_symbolic_size_runs_outside_the_graph():
+    """masked_select's backward reads plain sizes(), which fixes the batch size being
+    traced: in the graph with dynamic sizes that step runs outside the graph, so new batch
+    sizes stop compiling new graphs (before, one per size up to Dynamo's recompile limit)."""
+    w = torch.randn(6, 6, requires_grad=True)
+    counters.clear()
+    graphs = []
+    for batch in (6, 9, 4, 12, 7, 5, 10, 11):
+        x = torch.randn(batch, 6)
+
+        def loss(w, x=x):
+            h = (x @ w).tanh()
+            return torch.masked_select(h, h > 0).pow(3).sum()
+
+        assert_like_eager(loss, [w])
+        graphs.append(unique_graphs())
+    assert lookups() == (1, 7)
+    assert graphs[3:] == [graphs[3]] * 5, f"Dynamo graphs after each call: {graphs}"
+    assert any("specialises symbolic sizes" in k for k in counters["graph_break"])

@@ -295,12 +295,14 @@ def _apply_symbolic(plan: _core.Plan, step: int, inputs: list, saved: list, size
     """
     log = logging.getLogger("torch._subclasses.fake_tensor")
     quiet, log.disabled = log.disabled, True  # it logs the kernel's failure as an error
+    may_break = _dynamo_fake_run() and _graph_breaks_allowed()
+    free = _free_sizes(inputs, saved, sizes) if may_break else {}
     try:
-        return plan.apply(step, inputs, saved, sizes)
+        outputs = plan.apply(step, inputs, saved, sizes)
     except _DATA_DEPENDENT:
         raise
     except Exception as error:
-        if _dynamo_fake_run() and _graph_breaks_allowed():
+        if may_break:
             torch._dynamo.exc.unimplemented(
                 gb_type="replaygrad: backward formula that takes no symbolic sizes",
                 context=f"step {step}",
@@ -314,6 +316,35 @@ def _apply_symbolic(plan: _core.Plan, step: int, inputs: list, saved: list, size
         return plan.apply(step, inputs, saved)
     finally:
         log.disabled = quiet
+    if any(shape_env.replace(symbol).is_number for symbol, shape_env in free.items()):
+        # The formula fixed a size to its value now (e.g. masked_select's backward reads
+        # plain sizes()): compiled, the graph would hold for that size only, and Dynamo
+        # would compile it again for every other. Dynamo restarts the frame's analysis
+        # (dropping those guards) with the step outside the graph.
+        torch._dynamo.exc.unimplemented(
+            gb_type="replaygrad: backward formula that specialises symbolic sizes",
+            context=f"step {step}",
+            explanation="the step runs outside the graph",
+            hints=[],
+        )
+    return outputs
+
+
+def _free_sizes(inputs: list, saved: list, sizes: list) -> dict:
+    """The symbols of the sizes a step is traced with that are still free (not fixed to a
+    value), each with its ShapeEnv."""
+    values = [*sizes]
+    for t in (*inputs, *saved):
+        if isinstance(t, torch.Tensor):
+            values.extend(t.shape)
+    free = {}
+    for v in values:
+        if isinstance(v, torch.SymInt):
+            shape_env = v.node.shape_env
+            for symbol in v.node.expr.free_symbols:
+                if not shape_env.replace(symbol).is_number:
+                    free[symbol] = shape_env
+    return free
 
 
 def _note_layouts(step: int, *groups: Sequence[Any]) -> None:
