@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -207,13 +207,7 @@ def apply_traced(step: int, inputs: list, saved: list, sizes: list | None = None
             ):
                 # A branch on a size only known at run time (while Dynamo captures ops
                 # whose output sizes depend on data): Dynamo would fail the compile.
-                torch._dynamo.exc.unimplemented(
-                    gb_type="replaygrad: data-dependent branch in a backward formula",
-                    context=f"step {plan_step}",
-                    explanation="the step runs outside the graph",
-                    hints=[],
-                    from_exc=error,
-                )
+                _outside_the_graph("data-dependent branch in a backward formula", plan_step, error)
         raise
     if function:
         # Its backward is user code: it may modify in place a tensor a later step saved,
@@ -303,13 +297,7 @@ def _apply_symbolic(plan: _core.Plan, step: int, inputs: list, saved: list, size
         raise
     except Exception as error:
         if may_break:
-            torch._dynamo.exc.unimplemented(
-                gb_type="replaygrad: backward formula that takes no symbolic sizes",
-                context=f"step {step}",
-                explanation="the step runs outside the graph",
-                hints=[],
-                from_exc=error,
-            )
+            _outside_the_graph("backward formula that takes no symbolic sizes", step, error)
         plan.mark_not_liftable(step)
         for v in sizes:
             int(v)  # guard_int: the compiled graph holds for these sizes only
@@ -321,13 +309,21 @@ def _apply_symbolic(plan: _core.Plan, step: int, inputs: list, saved: list, size
         # plain sizes()): compiled, the graph would hold for that size only, and Dynamo
         # would compile it again for every other. Dynamo restarts the frame's analysis
         # (dropping those guards) with the step outside the graph.
-        torch._dynamo.exc.unimplemented(
-            gb_type="replaygrad: backward formula that specialises symbolic sizes",
-            context=f"step {step}",
-            explanation="the step runs outside the graph",
-            hints=[],
-        )
+        _outside_the_graph("backward formula that specialises symbolic sizes", step)
     return outputs
+
+
+def _outside_the_graph(why: str, step: int, cause: BaseException | None = None) -> NoReturn:
+    """Makes Dynamo, which is running traced step ``step``, break its graph there: the step
+    runs as Python between two graphs."""
+    kwargs = {} if cause is None else {"from_exc": cause}
+    torch._dynamo.exc.unimplemented(
+        gb_type=f"replaygrad: {why}",
+        context=f"step {step}",
+        explanation="the step runs outside the graph",
+        hints=[],
+        **kwargs,
+    )
 
 
 def _free_sizes(inputs: list, saved: list, sizes: list) -> dict:
