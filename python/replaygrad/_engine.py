@@ -277,13 +277,14 @@ def _call_until_done(
             step = traced_step(error)
             steps: set[int] = set()
             hooks = None
-            if entry.capture and _compile_failure(error) and node_error(error) is None:
+            failed_to_compile = _compile_failure(error) and node_error(error) is None
+            if entry.capture and failed_to_compile:
                 run.pending.clear()
                 cache.stop_capturing(entry, plan, config)
                 continue
             if step is not None and step not in entry.opaque:
                 steps = {step}
-            elif _compile_failure(error) and node_error(error) is None:
+            elif failed_to_compile:
                 steps = non_strided - entry.opaque
                 if not steps and entry.replay.hooks_in_graph and args[3]:
                     # Traced Python hooks the compiler fails on: first kept in the graph

@@ -176,12 +176,12 @@ def apply_traced(step: int, inputs: list, saved: list, sizes: list | None = None
     plan_step = int(run.base + step) if tracing else _step(step)
     function = not tracing and run.plan.kind(plan_step) == "python_function"
     dynamo_run = tracing and _dynamo_fake_run()
+    # Dynamo's run of the step may break its graph there (not under fullgraph=True).
+    may_break = dynamo_run and _graph_breaks_allowed()
     try:
-        if dynamo_run:
-            with _internal_unbacked_sizes():
-                outputs = _apply(run.plan, plan_step, inputs, saved, sizes)
-        elif tracing:
-            outputs = _apply(run.plan, plan_step, inputs, saved, sizes)
+        if tracing:
+            with _internal_unbacked_sizes() if dynamo_run else contextlib.nullcontext():
+                outputs = _apply(run.plan, plan_step, inputs, saved, sizes, may_break)
         elif function:
             # Run for real, a Python Function's backward gets the tensors it saved, the very
             # objects (ctx.saved_tensors), as in eager: not the replay's detached values.
@@ -200,11 +200,7 @@ def apply_traced(step: int, inputs: list, saved: list, sizes: list | None = None
                 error.__replaygrad_traced_step__ = plan_step  # type: ignore[attr-defined]
         elif tracing and isinstance(error, _DATA_DEPENDENT):
             run.data_dependent.add(plan_step)
-            if (
-                isinstance(error, GuardOnDataDependentSymNode)
-                and dynamo_run
-                and _graph_breaks_allowed()
-            ):
+            if isinstance(error, GuardOnDataDependentSymNode) and may_break:
                 # A branch on a size only known at run time (while Dynamo captures ops
                 # whose output sizes depend on data): Dynamo would fail the compile.
                 _outside_the_graph("data-dependent branch in a backward formula", plan_step, error)
@@ -225,10 +221,13 @@ def apply_traced(step: int, inputs: list, saved: list, sizes: list | None = None
     return outputs
 
 
-def _apply(plan: _core.Plan, step: int, inputs: list, saved: list, sizes: list | None) -> tuple:
-    """A traced step run on the values being traced."""
+def _apply(
+    plan: _core.Plan, step: int, inputs: list, saved: list, sizes: list | None, may_break: bool
+) -> tuple:
+    """A traced step run on the values being traced; ``may_break``: see
+    :func:`_apply_symbolic`."""
     if sizes is not None and any(isinstance(v, torch.SymInt) for v in sizes):
-        return _apply_symbolic(plan, step, inputs, saved, sizes)
+        return _apply_symbolic(plan, step, inputs, saved, sizes, may_break)
     return plan.apply(step, inputs, saved)
 
 
@@ -270,8 +269,11 @@ def apply_function(
     return apply_traced(step, inputs, saved, sizes)
 
 
-def _apply_symbolic(plan: _core.Plan, step: int, inputs: list, saved: list, sizes: list) -> tuple:
-    """A traced step of torch's run with symbolic lifted sizes.
+def _apply_symbolic(
+    plan: _core.Plan, step: int, inputs: list, saved: list, sizes: list, may_break: bool
+) -> tuple:
+    """A traced step of torch's run with symbolic lifted sizes; ``may_break``: Dynamo runs
+    it and may break its graph there.
 
     Where the node's formula fails on them (a kernel whose fake implementation takes no
     symbolic sizes, e.g. upsampling's backward), Dynamo runs the step outside the graph (a
@@ -289,7 +291,6 @@ def _apply_symbolic(plan: _core.Plan, step: int, inputs: list, saved: list, size
     """
     log = logging.getLogger("torch._subclasses.fake_tensor")
     quiet, log.disabled = log.disabled, True  # it logs the kernel's failure as an error
-    may_break = _dynamo_fake_run() and _graph_breaks_allowed()
     free = _free_sizes(inputs, saved, sizes) if may_break else {}
     try:
         outputs = plan.apply(step, inputs, saved, sizes)
