@@ -698,8 +698,7 @@ class LiftedApply : public PyCompilerInterface {
           continue;
         }
         if (i == 0) {
-          at::Tensor window = grad_slice;
-          window.copy_(res[0]);
+          grad_slice.copy_(res[0]);
           grads[0] = result;
         } else {
           grads[i] = res[i];
