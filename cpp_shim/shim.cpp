@@ -3,6 +3,7 @@
 #include "shim.h"
 
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
@@ -711,6 +712,19 @@ class LiftedApply : public PyCompilerInterface {
     return grads;
   }
 
+  // A hooked saved value (see rg_collector_visit): the value its unpack hook returned, given
+  // by hook id.
+  at::Tensor call_unpack(PyObject* /*py_compiler*/, std::optional<size_t> hook_id,
+                         size_t /*hook_input_id*/) const override {
+    TORCH_CHECK(hook_id.has_value() && *hook_id < unpacked_.size(),
+                "replaygrad: no value for a hooked saved variable");
+    return unpacked_[*hook_id];
+  }
+
+  void set_unpacked(variable_list values) {
+    unpacked_ = std::move(values);
+  }
+
   void rethrow() const {
     if (error_) {
       std::rethrow_exception(error_);
@@ -719,8 +733,33 @@ class LiftedApply : public PyCompilerInterface {
 
  private:
   Node& node_;
+  variable_list unpacked_;
   mutable std::exception_ptr error_;
 };
+
+// The code objects of the unpack hooks whose calls a replay may make before their nodes run
+// (see rg_unpack_hooks_defer). Held for the process; read and written with the GIL.
+std::vector<PyObject*> deferrable_unpack_codes;
+
+// The one unpack hook of all of a node's hooked SavedVariables, if there is one and its code
+// is deferrable; else null.
+PyObject* deferrable_unpack_hook(const AutogradCompilerCall& compiler) {
+  PyObject* found = nullptr;
+  for (const auto& [sv, ids] : compiler.sv_to_hooks) {
+    PyObject* hook = compiler.hooks.at(ids.first).ptr(getPyInterpreter());
+    if (found == nullptr) {
+      if (!PyFunction_Check(hook) ||
+          std::find(deferrable_unpack_codes.begin(), deferrable_unpack_codes.end(),
+                    PyFunction_GET_CODE(hook)) == deferrable_unpack_codes.end()) {
+        return nullptr;
+      }
+      found = hook;
+    } else if (hook != found) {
+      return nullptr;
+    }
+  }
+  return found;
+}
 
 } // namespace
 
@@ -732,6 +771,8 @@ struct rg_collector {
   std::vector<uint32_t> versions;
   std::vector<uint8_t> key;
   std::vector<int64_t> sizes;
+  // The visited node's hooked saved variables by hook id (collection order).
+  std::vector<std::pair<size_t, const SavedVariable*>> hooked;
   // The visited node's saved variables by (TensorArg id, address), reused across visits.
   std::vector<std::pair<std::pair<uint32_t, uintptr_t>, const SavedVariable*>> order;
   // A tensor saved more than once (by several nodes, or twice by one) gets one value, the
@@ -1175,11 +1216,14 @@ static at::Tensor detached_value(const at::Tensor& unpacked) {
 
 rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t* n_saved,
                              const uint8_t** key, size_t* key_len, const int64_t** sizes,
-                             size_t* n_sizes, int* lifted) {
+                             size_t* n_sizes, int* lifted, size_t* n_hooked,
+                             uintptr_t* group) {
   RG_TRY
   *supported = 1;
   *n_saved = 0;
   *lifted = 0;
+  *n_hooked = 0;
+  *group = 0;
   c->key.clear();
   c->sizes.clear();
   Node& node = *as_node(n);
@@ -1187,6 +1231,8 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
   SavedVariableMap& unpacked = saved_variable_map(compiler.tensor_args);
   reset_tensor_args(compiler.tensor_args);
   compiler.sv_to_hooks.clear();
+  compiler.hooks.clear();
+  compiler.packed_inputs.clear();
   size_t sizes_before = compiler.all_size_inputs.size();
   size_t ivalues_before = compiler.lifted_ivalue_args.args.size();
 
@@ -1220,11 +1266,19 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
       return opaque();
     }
   }
+  // Saved values behind saved_tensors_hooks: their unpack hooks run when the node runs, not
+  // when the replay is planned, so that recomputation happens in engine order and its memory
+  // is freed as it goes. A node of torch's whose hooked values all have one deferrable
+  // unpack hook (non-reentrant checkpointing's) is traced, those values coming from its
+  // unpack at run time (appended as undefined slots); any other runs as itself.
+  PyObject* unpack_hook = nullptr;
   if (!compiler.sv_to_hooks.empty()) {
-    // Saved values behind saved_tensors_hooks (e.g. non-reentrant checkpointing): their
-    // unpack hooks must run when the node runs, not when the replay is planned, so that
-    // recomputation happens in engine order and its memory is freed as it goes.
-    return opaque();
+    if (kind_of(node) == RG_NODE_GENERIC) {
+      unpack_hook = deferrable_unpack_hook(compiler);
+    }
+    if (unpack_hook == nullptr) {
+      return opaque();
+    }
   }
   auto node_key = args.key();
   c->key.assign(node_key.key, node_key.key + node_key.key_size);
@@ -1266,7 +1320,20 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
     c->versions.push_back(value.defined() ? version_of(value) : 0);
     c->values.push_back(std::move(value));
   }
-  *n_saved = plain.size();
+  auto& hooked = c->hooked;
+  hooked.clear();
+  for (const auto& [sv, ids] : compiler.sv_to_hooks) {
+    hooked.emplace_back(ids.first, sv);
+  }
+  std::sort(hooked.begin(), hooked.end());
+  for (const auto& [id, sv] : hooked) {
+    c->svs.push_back(sv);
+    c->versions.push_back(0);
+    c->values.emplace_back();
+  }
+  *n_saved = plain.size() + hooked.size();
+  *n_hooked = hooked.size();
+  *group = reinterpret_cast<uintptr_t>(unpack_hook);
   *key = c->key.data();
   *key_len = c->key.size();
   *sizes = c->sizes.data();
@@ -1325,6 +1392,26 @@ rg_status rg_collector_first_modified(const rg_collector* c, size_t begin, size_
 rg_status rg_saved_variable_unpack(const rg_sv* sv, rg_node* saved_for) {
   RG_TRY
   reinterpret_cast<const SavedVariable*>(sv)->unpack(as_node(saved_for)->getptr());
+  RG_CATCH
+}
+
+rg_status rg_saved_variable_unpack_value(const rg_sv* sv, rg_node* saved_for, rg_tensor** value) {
+  RG_TRY
+  *value = nullptr;
+  at::Tensor unpacked = as_sv(sv)->unpack(as_node(saved_for)->getptr());
+  *value = new_handle(detached_value(unpacked));
+  RG_CATCH
+}
+
+rg_status rg_unpack_hooks_defer(PyObject* code) {
+  RG_TRY
+  if (!PyCode_Check(code)) {
+    return fail(RG_KIND_TYPE, "rg_unpack_hooks_defer: expected a code object");
+  }
+  if (std::find(deferrable_unpack_codes.begin(), deferrable_unpack_codes.end(), code) ==
+      deferrable_unpack_codes.end()) {
+    deferrable_unpack_codes.push_back(Py_NewRef(code));
+  }
   RG_CATCH
 }
 
@@ -1403,7 +1490,7 @@ rg_status rg_node_apply_lifted(rg_node* n, const rg_tensor* const* inputs, size_
   SavedVariableMap& unpacked = saved_variable_map(compiler.tensor_args);
   SlotOrder slots;
   ordered_slots(unpacked, slots);
-  if (slots.size() != n_saved || !compiler.sv_to_hooks.empty() ||
+  if (slots.size() + compiler.sv_to_hooks.size() != n_saved ||
       !compiler.lifted_ivalue_args.args.empty()) {
     return fail(RG_KIND_RUNTIME, "rg_node_apply_lifted: the node's state is not the planned one");
   }
@@ -1423,6 +1510,20 @@ rg_status rg_node_apply_lifted(rg_node* n, const rg_tensor* const* inputs, size_
       symbolic.emplace_back(py::cast<c10::SymInt>(item));
     }
   }
+  // Hooked saved values come last, by hook id (as planned): what their unpack hook returned.
+  std::vector<size_t> hook_ids;
+  for (const auto& [sv, ids] : compiler.sv_to_hooks) {
+    hook_ids.push_back(ids.first);
+  }
+  std::sort(hook_ids.begin(), hook_ids.end());
+  variable_list unpacked_values(compiler.hooks.size());
+  for (size_t j = 0; j < hook_ids.size(); ++j) {
+    const rg_tensor* value = saved[slots.size() + j];
+    if (!value) {
+      return fail(RG_KIND_RUNTIME, "rg_node_apply_lifted: a saved value is missing");
+    }
+    unpacked_values.at(hook_ids[j]) = as_tensor(value);
+  }
   std::vector<int64_t> dims;
   if (!edge_dims(node, dims) ||
       symbolic.size() != dims.size() + compiler.all_size_inputs.size()) {
@@ -1432,6 +1533,7 @@ rg_status rg_node_apply_lifted(rg_node* n, const rg_tensor* const* inputs, size_
   SwapSavedVariables swap(compiler, state, nullptr, node_call);
   auto& edges = const_cast<edge_list&>(node.next_edges());
   auto interface = std::make_unique<LiftedApply>(node);
+  interface->set_unpacked(std::move(unpacked_values));
   const LiftedApply& apply = *interface;
   variable_list outputs;
   {

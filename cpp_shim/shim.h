@@ -137,17 +137,20 @@ rg_status rg_node_call_post_hook(rg_node* node, size_t i, const rg_tensor* const
 rg_status rg_collector_new(rg_collector** out);
 void rg_collector_free(rg_collector* c);
 // Visits node->compiled_args(): appends each SavedVariable of the node (in a deterministic
-// order: collection order of their tensors, hooked ones last) and its unpacked value to the
-// collector. Outputs the number appended, the node's specialisation bytes and size inputs
-// (valid until the next call). *supported is 0 when the node does not implement
-// compiled_args (nothing is appended then). *lifted is 1 when the sizes can be given to
-// rg_node_apply_lifted instead of the node's own (one of torch's generated nodes or
-// CopyBackwards, or a CopySlices wrapping one), preceded
+// order: collection order of their tensors, hooked ones last, by hook id) and its unpacked
+// value to the collector. Outputs the number appended, the node's specialisation bytes and
+// size inputs (valid until the next call). *supported is 0 when the node does not implement
+// compiled_args, or has saved variables behind saved_tensors_hooks that it must unpack itself
+// (nothing is appended then). *n_hooked counts the last slots appended whose values come from
+// the unpack hook `*group` (see rg_unpack_hooks_defer) when the node runs (undefined here).
+// *lifted is 1 when the sizes can be given to rg_node_apply_lifted instead of the node's own
+// (one of torch's generated nodes or CopyBackwards, or a CopySlices wrapping one), preceded
 // by the dims of the input metadata its valid edges point at (what its outputs are
 // validated against; the caller has them from rg_node_describe).
 rg_status rg_collector_visit(rg_collector* c, rg_node* node, int* supported, size_t* n_saved,
                              const uint8_t** key, size_t* key_len, const int64_t** sizes,
-                             size_t* n_sizes, int* lifted);
+                             size_t* n_sizes, int* lifted, size_t* n_hooked,
+                             uintptr_t* group);
 size_t rg_collector_len(const rg_collector* c);
 // The SavedVariables' addresses (borrowed), slot by slot: writes n = rg_collector_len(c).
 rg_status rg_collector_saved_variables(const rg_collector* c, const rg_sv** out, size_t n);
@@ -162,6 +165,15 @@ rg_status rg_collector_first_modified(const rg_collector* c, size_t begin, size_
 // Unpacks a node's own SavedVariable as the node would when it runs, for its errors (e.g.
 // "modified by an inplace operation"); the value is dropped.
 rg_status rg_saved_variable_unpack(const rg_sv* sv, rg_node* saved_for);
+// Unpacks a node's own SavedVariable as the node would when it runs (its unpack hook
+// called, if it has one) and outputs the value detached, as rg_collector_value's (null if
+// undefined).
+rg_status rg_saved_variable_unpack_value(const rg_sv* sv, rg_node* saved_for, rg_tensor** value);
+// Registers the code of an unpack hook (saved_tensors_hooks) whose calls may be made before
+// their node runs, in a batch (non-reentrant checkpointing's: its first call recomputes the
+// block's forward, later ones look values up). rg_collector_visit traces a node of torch's
+// whose hooked saved variables all have one such hook. Needs the GIL.
+rg_status rg_unpack_hooks_defer(PyObject* code);
 // Every slot's value as a new Python list of tensors (None where undefined), in one call:
 // this runs for every backward call. Needs the GIL.
 rg_status rg_collector_values_to_list(const rg_collector* c, PyObject** out);

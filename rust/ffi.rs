@@ -135,6 +135,8 @@ extern "C" {
         sizes: *mut *const i64,
         n_sizes: *mut usize,
         lifted: *mut c_int,
+        n_hooked: *mut usize,
+        group: *mut usize,
     ) -> c_int;
     fn rg_collector_len(c: *const RawCollector) -> usize;
     fn rg_collector_saved_variables(
@@ -151,6 +153,12 @@ extern "C" {
         slot: *mut usize,
     ) -> c_int;
     fn rg_saved_variable_unpack(sv: *const RawSavedVariable, saved_for: *mut RawNode) -> c_int;
+    fn rg_saved_variable_unpack_value(
+        sv: *const RawSavedVariable,
+        saved_for: *mut RawNode,
+        value: *mut *mut C_tensor,
+    ) -> c_int;
+    fn rg_unpack_hooks_defer(code: PyObjectPtr) -> c_int;
 
     fn rg_node_apply(
         node: *mut RawNode,
@@ -736,6 +744,10 @@ pub struct VisitedNode<'a> {
     /// The sizes can be replaced when it runs ([`apply_node_lifted`]): a compiled replay
     /// takes them as inputs instead of specialising on them.
     pub lifted: bool,
+    /// The last `hooked` of its saved values come from its unpack hook `group` (an address,
+    /// the same for the nodes of one checkpointed block) when it runs, not from the plan.
+    pub hooked: usize,
+    pub group: usize,
 }
 
 /// Cache lines [`NodeRef::prefetch`] loads: torch's Node base is about 600 bytes (edges,
@@ -765,6 +777,8 @@ impl Collector {
         let mut sizes = ptr::null();
         let mut n_sizes = 0usize;
         let mut lifted = 0;
+        let mut hooked = 0usize;
+        let mut group = 0usize;
         // SAFETY: out-pointers to locals; the collector and node are alive.
         check(unsafe {
             rg_collector_visit(
@@ -777,6 +791,8 @@ impl Collector {
                 &mut sizes,
                 &mut n_sizes,
                 &mut lifted,
+                &mut hooked,
+                &mut group,
             )
         })?;
         // SAFETY: the buffers live in the collector until the next visit (borrow of self).
@@ -796,6 +812,8 @@ impl Collector {
             key,
             sizes,
             lifted: lifted != 0,
+            hooked,
+            group,
         })
     }
 
@@ -867,6 +885,30 @@ impl Drop for Collector {
 /// `sv` must be the address of one of `node`'s SavedVariables.
 pub unsafe fn unpack_saved_variable(sv: *const RawSavedVariable, node: &NodeRef) -> Result<(), ShimError> {
     check(rg_saved_variable_unpack(sv, node.as_ptr()))
+}
+
+/// Unpacks `sv`, a SavedVariable of `node`, as the node would when it runs (calling its
+/// unpack hook, if any), detached.
+///
+/// # Safety
+/// `sv` must be the address of one of `node`'s SavedVariables.
+pub unsafe fn unpack_saved_value(
+    sv: *const RawSavedVariable,
+    node: &NodeRef,
+) -> Result<Option<Tensor>, ShimError> {
+    let mut value = ptr::null_mut();
+    check(rg_saved_variable_unpack_value(sv, node.as_ptr(), &mut value))?;
+    // SAFETY: an owned handle or null.
+    Ok((!value.is_null()).then(|| Tensor::from_ptr(value)))
+}
+
+/// Lets replays call unpack hooks with this code before their nodes run (see
+/// cpp_shim/shim.h, rg_unpack_hooks_defer).
+///
+/// # Safety
+/// `code` must be a live Python object and the GIL held.
+pub unsafe fn defer_unpack_hooks(code: PyObjectPtr) -> Result<(), ShimError> {
+    check(rg_unpack_hooks_defer(code))
 }
 
 /// The engine hook: while installed, Engine::execute hands backward calls on threads where

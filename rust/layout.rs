@@ -50,6 +50,11 @@ pub struct StepLayout {
     pub hooks: Range<u32>,
     /// This step's lifted sizes in [`Layout::sizes`] (see [`crate::ffi::VisitedNode::lifted`]).
     pub sizes: Range<u32>,
+    /// The last `hooked` slots of `saved` are unpacked when the replay runs, by unpack hook
+    /// `group` (numbered in order of first appearance; the steps of one checkpointed block
+    /// share one), see [`crate::ffi::VisitedNode::hooked`].
+    pub hooked: u32,
+    pub group: u32,
 }
 
 pub struct Layout {
@@ -219,6 +224,7 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
     let mut parts = KeyParts::default();
     let mut num_saved = 0u32;
     let mut sizes = Vec::new();
+    let mut groups: Vec<usize> = Vec::new();
     for (s, &n) in schedule.steps.iter().enumerate() {
         if let Some(&ahead) = schedule.steps.get(s + PREFETCH_STEPS) {
             snapshot.handles[ahead as usize].prefetch();
@@ -284,10 +290,21 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
 
         let saved_start = num_saved;
         let sizes_start = sizes.len() as u32;
+        let (mut hooked, mut group) = (0u32, u32::MAX);
         if mode == StepMode::Traced {
             let visited = collector.visit(node)?;
             if visited.supported {
                 num_saved += visited.num_saved as u32;
+                if visited.hooked > 0 {
+                    hooked = visited.hooked as u32;
+                    group = match groups.iter().position(|&g| g == visited.group) {
+                        Some(i) => i as u32,
+                        None => {
+                            groups.push(visited.group);
+                            groups.len() as u32 - 1
+                        }
+                    };
+                }
                 let sp = &mut parts.specialization;
                 put_u32(sp, visited.num_saved as u32);
                 put_u32(sp, visited.key.len() as u32);
@@ -317,6 +334,8 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
             }
         }
         parts.structure.push(mode as u8);
+        put_u32(&mut parts.structure, hooked);
+        put_u32(&mut parts.structure, group);
         let digest = parts.digest();
         for d in digest {
             hasher.update(&d.to_le_bytes());
@@ -327,6 +346,8 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
             saved: saved_start..num_saved,
             hooks: hook_start..hooks.len() as u32,
             sizes: sizes_start..sizes.len() as u32,
+            hooked,
+            group,
         });
     }
     let svs = collector.saved_variables()?;

@@ -157,6 +157,22 @@ impl Plan {
         ffi::apply_node_lifted(node, self.num_outputs(step)?, inputs, saved, sizes)
     }
 
+    /// The values of the step's hooked saved variables (the last slots of its range, see
+    /// [`crate::layout::StepLayout::hooked`]), unpacked now as the node would unpack them when
+    /// it runs: each calls its unpack hook.
+    pub fn unpack_hooked(&self, step: u32) -> Result<Vec<Option<Tensor>>, ShimError> {
+        let s = self.check_step(step)?;
+        let layout = &self.layout.steps[s];
+        let node = self.node(step)?;
+        let slots = (layout.saved.end - layout.hooked)..layout.saved.end;
+        slots
+            .map(|slot| {
+                // SAFETY: the slot's SavedVariable belongs to this step's node.
+                unsafe { ffi::unpack_saved_value(self.layout.svs[slot as usize], node) }
+            })
+            .collect()
+    }
+
     /// Runs hook `position` of the step (a hook the engine would call; C++ hooks run here).
     pub fn call_hook(
         &self,

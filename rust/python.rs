@@ -280,6 +280,27 @@ impl PyPlan {
         PyList::new(py, out)
     }
 
+    /// The traced steps whose last saved values come from an unpack hook when the replay
+    /// runs (non-reentrant checkpointing): (step, count, group), the steps of one
+    /// checkpointed block sharing a group (numbered in order of first appearance).
+    fn hooked_steps(&self) -> Vec<(u32, u32, u32)> {
+        self.plan
+            .layout
+            .steps
+            .iter()
+            .enumerate()
+            .filter(|(_, step)| step.hooked > 0)
+            .map(|(s, step)| (s as u32, step.hooked, step.group))
+            .collect()
+    }
+
+    /// The values of a step's hooked saved variables (see `hooked_steps`), unpacked now as
+    /// its node would unpack them, calling their unpack hook.
+    fn unpack<'py>(&self, py: Python<'py>, step: u32) -> PyResult<Bound<'py, PyTuple>> {
+        let out = self.plan.unpack_hooked(step)?;
+        to_py_tuple(py, out)
+    }
+
     /// The saved values of traced steps, one per slot, as planned (detached).
     fn saved_values<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         // SAFETY: the GIL is held; the shim returns a new reference to a list.
@@ -602,6 +623,14 @@ fn engine_hook_install(callback: &Bound<'_, PyAny>) -> PyResult<()> {
     Ok(unsafe { ffi::engine_hook_install(callback.as_ptr()) }?)
 }
 
+/// Lets replays call saved_tensors_hooks unpack hooks with this code object before their
+/// nodes run, in a batch (see `PyPlan.hooked_steps`).
+#[pyfunction]
+fn defer_unpack_hooks(code: &Bound<'_, PyAny>) -> PyResult<()> {
+    // SAFETY: live object, GIL held.
+    Ok(unsafe { ffi::defer_unpack_hooks(code.as_ptr()) }?)
+}
+
 /// Removes the engine hook.
 #[pyfunction]
 fn engine_hook_uninstall() -> PyResult<()> {
@@ -637,6 +666,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(engine_hook_install, m)?)?;
     m.add_function(wrap_pyfunction!(engine_hook_uninstall, m)?)?;
     m.add_function(wrap_pyfunction!(engine_set_enabled, m)?)?;
+    m.add_function(wrap_pyfunction!(defer_unpack_hooks, m)?)?;
     m.add("TORCH_VERSION", env!("REPLAYGRAD_TORCH_VERSION"))?;
     Ok(())
 }

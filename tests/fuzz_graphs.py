@@ -1300,10 +1300,6 @@ EXCLUDED: dict[str, str] = {
         "test_fuzz_regressions.py::test_hook_registered_during_backward_runs and "
         "::test_hook_removed_during_backward_does_not_run"
     ),
-    "saved_hooks_mul": (
-        "replaygrad unpacks saved values when it plans, before any node runs: "
-        "test_fuzz_regressions.py::test_saved_tensor_unpack_hooks_run_when_the_node_runs"
-    ),
 }
 
 #: Ops also left out when the replay is compiled.

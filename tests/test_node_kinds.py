@@ -8,6 +8,8 @@ engine and once with replaygrad; what the run logs and the gradients must match.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +24,7 @@ from conftest import (
     FAST_COMPILERS,
     assert_same,
     compare,
+    counting_backend,
     eager_backward,
     grads_of,
     replay_backward,
@@ -225,6 +228,61 @@ def test_checkpoint(compiler, use_reentrant):
         return log, grads_of([x, *block.parameters(), *head.parameters()])
 
     compare(run, compiler)
+
+
+def _checkpointed_blocks(backward, batch: int = 5, nested: bool = False):
+    """Three non-reentrant checkpointed blocks (each Linear, LayerNorm, GELU, Linear), the
+    middle one with a tensor hook inside and, if ``nested``, a checkpoint inside it; logs
+    each block's forward (run again in the backward, in engine order) and the hook."""
+    torch.manual_seed(0)
+    log = []
+    blocks = [
+        nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 4))
+        for _ in range(3)
+    ]
+    x = torch.randn(batch, 4, requires_grad=True)
+
+    def body(k, t):
+        log.append(("forward", k, tuple(t.shape)))
+        if k != 1:
+            return blocks[k](t)
+        a = blocks[k][1](blocks[k][0](t))
+        a.register_hook(lambda g: log.append(("hook", summary(g))) or g * 2)
+        rest = lambda u: blocks[k][3](blocks[k][2](u))  # noqa: E731
+        return checkpoint(rest, a, use_reentrant=False) if nested else rest(a)
+
+    h = x
+    for k in range(3):
+        h = checkpoint(body, k, h, use_reentrant=False)
+    backward((h.tanh() * h).sum())
+    return log, grads_of([x, *(p for b in blocks for p in b.parameters())])
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+@pytest.mark.parametrize("nested", [False, True])
+def test_non_reentrant_checkpointed_blocks(compiler, nested):
+    compare(lambda backward: _checkpointed_blocks(backward, nested=nested), compiler)
+
+
+def test_a_checkpointed_block_breaks_the_graph_once():
+    """The nodes of a non-reentrant checkpointed block are traced: their saved values are
+    unpacked at the block's first node (one graph break, which recomputes the block), not
+    by each node run as itself (a graph break per node)."""
+    backend, graphs = counting_backend()
+    compare(_checkpointed_blocks, torch.compile(backend=backend))
+    # One graph before the first block's unpack and one after each of the three; the hook
+    # inside the middle block is traced.
+    assert len(graphs) == 4, f"{len(graphs)} graphs"
+
+
+def test_checkpointed_blocks_over_changing_batch_sizes_compile_one_replay():
+    """The sizes of checkpointed nodes are replay inputs too (the unpacked values stand in
+    for their saved variables when traced with symbolic sizes)."""
+    before = replaygrad.cache_info()
+    for batch in (5, 8, 3, 11):
+        compare(functools.partial(_checkpointed_blocks, batch=batch), "aot_eager")
+    after = replaygrad.cache_info()
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 3)
 
 
 @pytest.mark.parametrize("compiler", FAST_COMPILERS)

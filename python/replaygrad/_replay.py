@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
+from types import SimpleNamespace
 from typing import Any, NoReturn
 
 import torch
@@ -468,6 +469,45 @@ def apply_opaque(deferred: list, step: int, inputs: list) -> tuple:
     return outputs
 
 
+def _checkpoint_unpack_codes() -> list[Any]:
+    """The code of non-reentrant checkpointing's unpack hooks (``torch.utils.checkpoint``'s
+    ``_checkpoint_hook``, without and with an error callback), whose calls
+    :func:`unpack_saved` makes for a whole block at once; none if torch's checkpoint module
+    is not as expected (such nodes then run as themselves, one graph break each)."""
+    try:
+        from torch.utils.checkpoint import _checkpoint_hook
+
+        codes = []
+        for callback in (None, print):
+            frame = SimpleNamespace(unpack_error_cb=callback)
+            codes.append(_checkpoint_hook(frame).unpack_hook.__code__)
+        return codes
+    except Exception:  # any change of torch's private API
+        return []
+
+
+for _code in _checkpoint_unpack_codes():
+    _core.defer_unpack_hooks(_code)
+
+
+@torch._dynamo.disable
+def unpack_saved(deferred: list, step: int, members: tuple[int, ...]) -> list[tuple]:
+    """The hooked saved values of the region's steps ``members`` (the first is ``step``), as
+    their nodes would unpack them, each with its node as the current autograd node: a graph
+    break at the first step of a checkpointed block, whose first unpack recomputes the
+    block's forward and whose later ones look values up. The engine makes the later calls
+    when their nodes run; their results are the same, and they are held here until the
+    group's last step ran (memory the block's recomputation holds anyway)."""
+    run = _running()
+    with _outside_graph(deferred, step) as plan_step:
+        values = []
+        for k in members:
+            run.current = run.base + k
+            values.append(run.plan.unpack(run.base + k))
+    _check_saved(plan_step, own=True)
+    return values
+
+
 @torch._dynamo.disable
 def apply_accumulate(deferred: list, step: int, inputs: list, take: bool) -> tuple:
     """An AccumulateGrad run in place (hooks observe it), handed its gradient so that it can
@@ -756,6 +796,8 @@ class Region:
     #: It traces a CopySlices step (an in-place op on a view), which inductor miscompiles
     #: with its default options (see ``replaygrad._compile``).
     in_place_on_views: bool = False
+    #: The plan's steps where it unpacks hooked saved values (see :func:`unpack_saved`).
+    unpacks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -779,6 +821,7 @@ _RUNTIME = {
     "apply_function": apply_function,
     "apply_opaque": apply_opaque,
     "apply_accumulate": apply_accumulate,
+    "unpack_saved": unpack_saved,
     "cpp_pre_hook": cpp_pre_hook,
     "cpp_post_hook": cpp_post_hook,
     "tensor_pre_hook": tensor_pre_hook,
@@ -855,6 +898,7 @@ def regions(
     """
     digests = plan.step_digests()
     size_ranges = plan.size_ranges()
+    hooked = {step: (count, group) for step, count, group in plan.hooked_steps()}
     # Per step: what the node is, whatever step it is (type, input metadata, specialisation).
     what = [(step[0], step[1], digests[24 * s + 8 : 24 * s + 24]) for s, step in enumerate(steps)]
     effects = {(step, pos) for step, _kind, pos in plan.deferred()}
@@ -862,8 +906,18 @@ def regions(
     out = []
     python_hooks = 0
     for start, end in pairwise(cuts):
+        unpacks = _unpack_groups(steps, hooked, start, end, opaque)
         source, incoming, exports, captures, used = _region_source(
-            steps, size_ranges, start, end, effects, hooks_in_graph, opaque, python_hooks, escapes
+            steps,
+            size_ranges,
+            start,
+            end,
+            effects,
+            hooks_in_graph,
+            opaque,
+            python_hooks,
+            escapes,
+            {m: (first, members, hooked[m][0]) for first, members in unpacks for m in members},
         )
         a, b = (steps[start][6], steps[end - 1][7]) if end > start else (0, 0)
         identity = [
@@ -889,6 +943,7 @@ def regions(
                 (size_ranges[start][0], size_ranges[end - 1][1]) if end > start else (0, 0),
                 (python_hooks, python_hooks + used),
                 any(_traced_copy_slices(steps[s], s, opaque) for s in range(start, end)),
+                tuple(first for first, _ in unpacks),
             )
         )
         python_hooks += used
@@ -898,6 +953,19 @@ def regions(
 def _traced_copy_slices(step: tuple, s: int, opaque: frozenset[int]) -> bool:
     """Whether plan step ``s`` is a CopySlices (an in-place op on a view) that is traced."""
     return step[0] == "torch::autograd::CopySlices" and step[2] == "traced" and s not in opaque
+
+
+def _unpack_groups(
+    steps: list, hooked: dict[int, tuple[int, int]], start: int, end: int, opaque: frozenset[int]
+) -> list[tuple[int, tuple[int, ...]]]:
+    """The hooked saved values of the region ``start..end`` (see ``Plan.hooked_steps``) by
+    unpack hook, each as (first step, its traced steps): the region unpacks them all at the
+    first (see :func:`unpack_saved`)."""
+    groups: dict[int, list[int]] = {}
+    for s in range(start, end):
+        if s in hooked and steps[s][2] == "traced" and s not in opaque:
+            groups.setdefault(hooked[s][1], []).append(s)
+    return [(members[0], tuple(members)) for members in groups.values()]
 
 
 def _meta(value: Any) -> Any:
@@ -955,6 +1023,7 @@ def _region_source(
     opaque: frozenset[int],
     hook_base: int,
     escapes: bool = True,
+    unpacked: dict[int, tuple[int, tuple[int, ...], int]] | None = None,
 ) -> tuple[str, tuple, tuple, tuple, int]:
     """Straight-line source for ``region(inc, saved, sizes, hooks, deferred)``, one block per step
     as engine.cpp runs it, and its interface: the incoming and exported input buffers (as
@@ -974,8 +1043,13 @@ def _region_source(
     breaks under Dynamo), after the deferred effects before them, as everything else that
     runs outside the graph does. Traced steps in ``opaque`` run as opaque ones.
     ``escapes=False`` keeps traced hooks in the graph whatever their gradients (see
-    :func:`_overlapping`).
+    :func:`_overlapping`). ``unpacked``: traced steps whose last saved values are unpacked
+    when the replay runs, as (first step of their group, the group's steps, count); the
+    group's values are unpacked at its first step (one graph break for a checkpointed
+    block) and dropped after its last.
     """
+    unpacked = unpacked or {}
+    groups: dict[int, str] = {}
     where = ("" if escapes else "_in_graph") if hooks_in_graph else "_outside"
     incoming: dict[tuple[int, int], int] = {}
     captures: list[int] = []
@@ -1067,10 +1141,23 @@ def _region_source(
             c, d = size_ranges[s]
             lifted = f", sizes[{c - sizes_base}:{d - sizes_base}]" if d > c else ""
             saved_k = f"saved[{a - saved_base}:{b - saved_base}]"
+            done = None
+            if s in unpacked:
+                first, members, count = unpacked[s]
+                if s == first:
+                    groups[first] = f"u{len(groups)}"
+                    relative = "".join(f"{m - start}, " for m in members)
+                    body.append(f"{groups[first]} = unpack_saved(deferred, {k}, ({relative}))")
+                u = groups[first]
+                own = f"saved[{a - saved_base}:{b - count - saved_base}]"
+                saved_k = f"[*{own}, *{u}[{members.index(s)}]]"
+                done = u if s == members[-1] else None
             if escapes and steps[s][1] == "python_function":
                 body.append(f"o{k} = apply_function(deferred, {k}, i, {saved_k}{lifted})")
             else:
                 body.append(f"o{k} = apply_traced({k}, i, {saved_k}{lifted})")
+            if done is not None:
+                body.append(f"del {done}")
         elif mode == "opaque":
             body.append(f"o{k} = apply_opaque(deferred, {k}, i)")
         elif mode == "eager_accumulate":
@@ -1201,11 +1288,12 @@ def build(
         namespace[f"R{r}"] = compile_region(g, scope["region"])
     driver = _driver_source(steps, found, plan.num_captures, hooks_in_graph)
     exec(compile(driver, f"<replaygrad replay {plan.key[:12]}>", "exec"), namespace)
+    unpacks = [step for region in found for step in region.unpacks]
     return Replay(
         namespace["replay"],
         found,
         hooks_in_graph,
         _replay_source(found, driver),
-        outside_steps(steps, hooks_in_graph, opaque),
+        tuple(sorted({*outside_steps(steps, hooks_in_graph, opaque), *unpacks})),
         escapes,
     )
