@@ -1453,7 +1453,7 @@ rg_status rg_collector_values_to_list(const rg_collector* c, PyObject** out) {
 
 rg_status rg_node_apply(rg_node* n, const rg_tensor* const* inputs, size_t n_inputs,
                         const rg_sv* const* svs, const rg_tensor* const* saved, size_t n_saved,
-                        rg_tensor** out, size_t cap, size_t* n_out) {
+                        int as_itself, rg_tensor** out, size_t cap, size_t* n_out) {
   RG_TRY
   Node& node = *as_node(n);
   *n_out = 0;
@@ -1464,8 +1464,18 @@ rg_status rg_node_apply(rg_node* n, const rg_tensor* const* inputs, size_t n_inp
     at::AutoGradMode grad_mode(false);
     WithoutGil no_gil;
     RECORD_EVALUATE_FUNCTION(node);
+    const bool had_post_hooks = !node.post_hooks().empty();
     outputs = node(to_list(inputs, n_inputs));
     validate(node, node.next_edges(), outputs);
+    if (as_itself && !had_post_hooks) {
+      // Post hooks the node got while it ran (e.g. registered on the current node by an
+      // unpack hook or a Function's backward): the engine reads the list after the call and
+      // runs them without inputs (call_post_hooks with had_post_hooks false); the replay
+      // runs the hooks the node had when it was planned.
+      for (const auto& hook : node.post_hooks()) {
+        outputs = (*hook)(outputs, variable_list());
+      }
+    }
   }
   return hand_out(std::move(outputs), out, cap, n_out);
   RG_CATCH

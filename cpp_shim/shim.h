@@ -182,10 +182,12 @@ rg_status rg_collector_values_to_list(const rg_collector* c, PyObject** out);
 // Runs node(inputs) with grad mode off and then validate_outputs(next_edges) as the engine's
 // call_function does. If n_saved > 0, each svs[i] is first swapped with a SavedVariable built
 // from saved[i] (no saved-tensor hooks run) and swapped back afterwards, also on error.
+// `as_itself`: the node runs for real with its own state (not traced); if it had no post
+// hooks, those it got while it ran are called after it, as the engine does.
 // Writes num_outputs tensors to out (caller provides num_outputs slots), *n_out = count.
 rg_status rg_node_apply(rg_node* node, const rg_tensor* const* inputs, size_t n_inputs,
                         const rg_sv* const* svs, const rg_tensor* const* saved, size_t n_saved,
-                        rg_tensor** out, size_t cap, size_t* n_out);
+                        int as_itself, rg_tensor** out, size_t cap, size_t* n_out);
 // rg_node_apply for a node whose sizes are lifted (see rg_collector_visit), with its saved
 // values (in slot order, as planned) and sizes replaced by the given ones while it runs:
 // `sizes` is a Python sequence of int or torch.SymInt, one per planned size. Runs the node

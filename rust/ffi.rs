@@ -167,6 +167,7 @@ extern "C" {
         svs: *const *const RawSavedVariable,
         saved: *const *const C_tensor,
         n_saved: usize,
+        as_itself: c_int,
         out: *mut *mut C_tensor,
         cap: usize,
         n_out: *mut usize,
@@ -582,6 +583,7 @@ pub fn apply_node(
     inputs: &[Option<Tensor>],
     svs: &[*const RawSavedVariable],
     saved: &[Option<Tensor>],
+    as_itself: bool,
 ) -> Result<Vec<Option<Tensor>>, ShimError> {
     debug_assert_eq!(svs.len(), saved.len());
     let input_ptrs = tensor_ptrs(inputs);
@@ -596,6 +598,7 @@ pub fn apply_node(
                 svs.as_ptr(),
                 saved_ptrs.as_ptr(),
                 saved_ptrs.len(),
+                c_int::from(as_itself),
                 out,
                 cap,
                 n_out,

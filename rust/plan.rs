@@ -98,8 +98,9 @@ impl Plan {
     }
 
     /// Runs the step's node on `inputs`. With `saved`, the step's saved values are replaced
-    /// by these for the call (a traced step); without, the node uses its own (opaque steps,
-    /// AccumulateGrad).
+    /// by these for the call (a traced step); without, the node runs as itself, with its
+    /// own (opaque steps, AccumulateGrad), and post hooks it gets while it runs are called
+    /// as the engine calls them (see cpp_shim/shim.h, rg_node_apply).
     pub fn apply(
         &self,
         step: u32,
@@ -123,7 +124,7 @@ impl Plan {
             }
             None => (&[], &[]),
         };
-        ffi::apply_node(node, num_outputs, inputs, svs, values)
+        ffi::apply_node(node, num_outputs, inputs, svs, values, saved.is_none())
     }
 
     /// Runs a traced step's node with its saved values and lifted sizes replaced by

@@ -793,6 +793,34 @@ def test_saved_tensors_hooks_packing_to_a_key(compiler):
     compare(run, compiler)
 
 
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_post_hook_registered_on_the_running_node_by_its_unpack_hook(compiler):
+    # The engine reads a node's post hooks after it ran: one registered while it ran (here
+    # by the unpack hook of one of its saved values, on the current autograd node) is
+    # called, without inputs, and its result replaces the node's outputs.
+    def run(backward):
+        torch.manual_seed(0)
+        log = []
+
+        def unpack(t):
+            node = torch._C._current_autograd_node()
+
+            def hook(outputs, inputs):
+                log.append(("post", node.name(), len(inputs)))
+                return tuple(o / 2 if o is not None else None for o in outputs)
+
+            node.register_hook(hook)
+            return t
+
+        x = torch.randn(3, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            y = x.sin() * x
+        backward(y.exp().sum())
+        return log, grads_of([x])
+
+    compare(run, compiler)
+
+
 # ---- multi-grad hooks --------------------------------------------------------------------
 
 
