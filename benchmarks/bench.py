@@ -11,7 +11,10 @@ Workloads (float32, CPU, one thread, parameters' ``.grad`` set to None before ea
 ``nn.TransformerEncoderLayer(256, 4, dropout=0, batch_first=True)`` in training mode on
 (batch 8, seq 128, 256), loss ``square().mean()``; ``gru`` ``nn.GRUCell(256, 256)`` unrolled
 32 steps over a batch of 16, loss ``sum()``; ``chainN`` N ops cycling sin, ``* 0.9``,
-``+ 0.1`` on a 16-element leaf, loss ``sum()`` (N + 2 nodes).
+``+ 0.1`` on a 16-element leaf, loss ``sum()`` (N + 2 nodes); ``checkpoint`` 8 residual blocks
+(LayerNorm(128), Linear(128, 256), GELU, Linear(256, 128)), each under
+``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, on a (32, 128) batch, loss
+``square().mean()`` (not in the default set).
 Systems: ``eager`` (``loss.backward()``), ``ca_<backend>`` (inside
 ``torch._dynamo.compiled_autograd._enable(torch.compile(backend=..., fullgraph=True))``) and
 ``rg_<backend>`` (inside ``replaygrad.enable(backend)``; ``rg_none``: uncompiled replay).
@@ -51,6 +54,7 @@ from typing import Any, NoReturn
 import torch
 from _planner_py import plan_careful, plan_poc
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import replaygrad
 from replaygrad import _core
@@ -67,6 +71,8 @@ WORKLOADS = (
     "chain10000",
     "chain30000",
 )
+#: Workloads run only when named (``--workloads``).
+EXTRA_WORKLOADS = ("checkpoint",)
 QUICK_WORKLOADS = ("mlp", "transformer", "gru", "chain100", "chain1000")
 PLAN_SIZES = (10**3, 10**4, 10**5)
 QUICK_PLAN_SIZES = (10**3, 10**4)
@@ -108,6 +114,20 @@ def make_workload(name: str) -> Workload:
             return h.sum()
 
         return Workload(list(cell.parameters()), unrolled)
+    if name == "checkpoint":
+        blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(128), nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128))
+            for _ in range(8)
+        )
+        x = torch.randn(32, 128)
+
+        def checkpointed() -> torch.Tensor:
+            h = x
+            for block in blocks:
+                h = h + checkpoint(block, h, use_reentrant=False)
+            return h.square().mean()
+
+        return Workload(list(blocks.parameters()), checkpointed)
     if name.startswith("chain"):
         return chain(int(name[len("chain") :]))
     raise ValueError(f"unknown workload {name!r}")
@@ -570,7 +590,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="few iterations, short chains, 60 s cap")
     p.add_argument("--cap", type=float, help="seconds per cell before it is killed (300)")
-    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, help="default: all")
+    p.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=WORKLOADS + EXTRA_WORKLOADS,
+        help=f"default: all but {', '.join(EXTRA_WORKLOADS)}",
+    )
     p.add_argument("--out-md", type=Path, default=RESULTS / "bench.md")
     p.add_argument("--plot", type=Path, default=RESULTS / "bench.png")
     p.add_argument("--report", type=Path, metavar="JSON", help="re-render a run's JSON")

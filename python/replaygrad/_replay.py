@@ -496,8 +496,9 @@ def unpack_saved(deferred: list, step: int, members: tuple[int, ...]) -> list[tu
     their nodes would unpack them, each with its node as the current autograd node: a graph
     break at the first step of a checkpointed block, whose first unpack recomputes the
     block's forward and whose later ones look values up. The engine makes the later calls
-    when their nodes run; their results are the same, and they are held here until the
-    group's last step ran (memory the block's recomputation holds anyway)."""
+    when their nodes run; their results are the same. They are held here until the group's
+    last step ran, where the engine frees each after its node (the peak is the
+    recomputation's in both)."""
     run = _running()
     with _outside_graph(deferred, step) as plan_step:
         values = []
