@@ -275,6 +275,26 @@ def test_a_checkpointed_block_breaks_the_graph_once():
     assert len(graphs) == 4, f"{len(graphs)} graphs"
 
 
+def test_checkpointed_blocks_alike_compile_once():
+    """A region starts at each checkpointed block: blocks alike share one compiled region."""
+
+    def run(backward):
+        torch.manual_seed(0)
+        blocks = [nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.GELU()) for _ in range(6)]
+        x = torch.randn(5, 4, requires_grad=True)
+        h = x
+        for block in blocks:
+            h = h + checkpoint(block, h, use_reentrant=False)
+        backward(h.square().sum())
+        return [], grads_of([x, *(p for b in blocks for p in b.parameters())])
+
+    backend, graphs = counting_backend()
+    compare(run, torch.compile(backend=backend))
+    # Before the blocks, the five blocks alike, the last one (with what follows it): where a
+    # region is not cut, each block is a graph of its own (7).
+    assert len(graphs) == 3, f"{len(graphs)} graphs"
+
+
 def test_checkpointed_blocks_over_changing_batch_sizes_compile_one_replay():
     """The sizes of checkpointed nodes are replay inputs too (the unpacked values stand in
     for their saved variables when traced with symbolic sizes)."""

@@ -894,8 +894,9 @@ def regions(
     A region runs its steps as the engine does (see :func:`_region_source`). Cuts fall
     before a step like the most common one (same node type and key parts) once a region
     has ``region_size`` steps, so that in a graph of repeated structure the regions repeat
-    too. ``saved`` (the plan's saved values, when known) adds their metadata to the keys.
-    ``opaque`` and ``escapes``: see :func:`_region_source`.
+    too; with a ``region_size``, a region also starts at each checkpointed block (see
+    :func:`unpack_saved`). ``saved`` (the plan's saved values, when known) adds their
+    metadata to the keys. ``opaque`` and ``escapes``: see :func:`_region_source`.
     """
     digests = plan.step_digests()
     size_ranges = plan.size_ranges()
@@ -904,6 +905,11 @@ def regions(
     what = [(step[0], step[1], digests[24 * s + 8 : 24 * s + 24]) for s, step in enumerate(steps)]
     effects = {(step, pos) for step, _kind, pos in plan.deferred()}
     cuts = _cuts(what, region_size)
+    if region_size is not None and hooked:
+        # Checkpointed blocks break the graph where they are unpacked anyway: a region per
+        # block loses no fusion, and blocks alike are compiled once.
+        starts = (first for first, _ in _unpack_groups(steps, hooked, 0, len(steps), opaque))
+        cuts = sorted({*cuts, *starts})
     out = []
     python_hooks = 0
     for start, end in pairwise(cuts):
