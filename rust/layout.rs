@@ -2,6 +2,7 @@
 //! themselves (opaque), every SavedVariable of every traced step as one flat list of slots,
 //! the hooks each step calls, and the structural key of all of it.
 
+use std::collections::HashMap;
 use std::ops::Range;
 
 use xxhash_rust::xxh3::{xxh3_64, Xxh3};
@@ -224,7 +225,8 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
     let mut parts = KeyParts::default();
     let mut num_saved = 0u32;
     let mut sizes = Vec::new();
-    let mut groups: Vec<usize> = Vec::new();
+    // Unpack hook (its address) -> group number, in order of first appearance.
+    let mut groups: HashMap<usize, u32> = HashMap::new();
     for (s, &n) in schedule.steps.iter().enumerate() {
         if let Some(&ahead) = schedule.steps.get(s + PREFETCH_STEPS) {
             snapshot.handles[ahead as usize].prefetch();
@@ -297,13 +299,8 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
                 num_saved += visited.num_saved as u32;
                 if visited.hooked > 0 {
                     hooked = visited.hooked as u32;
-                    group = match groups.iter().position(|&g| g == visited.group) {
-                        Some(i) => i as u32,
-                        None => {
-                            groups.push(visited.group);
-                            groups.len() as u32 - 1
-                        }
-                    };
+                    let next = groups.len() as u32;
+                    group = *groups.entry(visited.group).or_insert(next);
                 }
                 let sp = &mut parts.specialization;
                 put_u32(sp, visited.num_saved as u32);
