@@ -161,6 +161,19 @@ def test_plan_explain_and_dot():
     assert replaygrad.explain(loss) == text
 
 
+def test_explain_shows_checkpointed_blocks():
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
+    h = torch.randn(3, 4, requires_grad=True)
+    for _ in range(2):
+        h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+    plan = replaygrad.plan(h.sum())
+    assert plan.opaque == []  # traced, their values unpacked once per block
+    text = plan.explain()
+    assert "2 (2 unpacked, block 1)" in text  # the second block's AddmmBackward0
+    assert "0 graph breaks and 2 checkpointed blocks" in text
+    assert text.count("unpack_saved(") == 2
+
+
 def test_logging_channels(caplog):
     w = torch.randn(3, requires_grad=True)
     caplog.set_level(logging.DEBUG, logger="replaygrad")

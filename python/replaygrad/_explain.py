@@ -12,6 +12,8 @@ _GRAPH_BREAKS = ("opaque", "eager_accumulate")
 def table(plan: _core.Plan) -> str:
     """One row per engine step: node, sequence_nr, inputs, saved values, mode, hooks."""
     rows = [("step", "node", "sequence_nr", "inputs", "saved", "mode", "hooks")]
+    # Steps whose last saved values come from checkpointing's unpack hook, by block.
+    hooked = {s: (count, group) for s, count, group in plan.hooked_steps()}
     for s, step in enumerate(plan.steps()):
         name, _kind, mode, seq, num_inputs, _n_out, a, b, slots, _targets, hooks, captures = step
         arrivals = sum(len(srcs) for srcs in slots)
@@ -20,14 +22,19 @@ def table(plan: _core.Plan) -> str:
         if captures:
             hook_text += f" capture{[k for _j, k in captures]}"
         seq_text = "max" if seq == 2**64 - 1 else str(seq)
-        rows.append((str(s), name, seq_text, inputs, str(b - a), mode, hook_text))
+        saved = str(b - a)
+        if s in hooked:
+            saved += f" ({hooked[s][0]} unpacked, block {hooked[s][1]})"
+        rows.append((str(s), name, seq_text, inputs, saved, mode, hook_text))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     breaks = sum(1 for step in plan.steps() if step[2] in _GRAPH_BREAKS)
+    blocks = len({group for _count, group in hooked.values()})
     lines.append(
-        f"{plan.num_steps} steps, {plan.num_saved} saved values, {breaks} graph breaks, "
-        f"key {plan.key}"
+        f"{plan.num_steps} steps, {plan.num_saved} saved values, {breaks} graph breaks"
+        + (f" and {blocks} checkpointed blocks (unpacked at their first step)" if blocks else "")
+        + f", key {plan.key}"
     )
     return "\n".join(lines)
 
