@@ -496,9 +496,8 @@ def unpack_saved(deferred: list, step: int, members: tuple[int, ...]) -> list[tu
     their nodes would unpack them, each with its node as the current autograd node: a graph
     break at the first step of a checkpointed block, whose first unpack recomputes the
     block's forward and whose later ones look values up. The engine makes the later calls
-    when their nodes run; their results are the same. They are held here until the group's
-    last step ran, where the engine frees each after its node (the peak is the
-    recomputation's in both)."""
+    when their nodes run; their results are the same. The replay drops each step's values
+    once the step ran, as the engine does (in a compiled graph, when the graph ends)."""
     run = _running()
     with _outside_graph(deferred, step) as plan_step:
         values = []
@@ -1053,7 +1052,7 @@ def _region_source(
     :func:`_overlapping`). ``unpacked``: traced steps whose last saved values are unpacked
     when the replay runs, as (first step of their group, the group's steps, count); the
     group's values are unpacked at its first step (one graph break for a checkpointed
-    block) and dropped after its last.
+    block), each step's dropped after it ran.
     """
     unpacked = unpacked or {}
     groups: dict[int, str] = {}
@@ -1155,16 +1154,17 @@ def _region_source(
                     groups[first] = f"u{len(groups)}"
                     relative = "".join(f"{m - start}, " for m in members)
                     body.append(f"{groups[first]} = unpack_saved(deferred, {k}, ({relative}))")
-                u = groups[first]
+                u = f"{groups[first]}[{members.index(s)}]"
                 own = f"saved[{a - saved_base}:{b - count - saved_base}]"
-                saved_k = f"[*{own}, *{u}[{members.index(s)}]]"
-                done = u if s == members[-1] else None
+                saved_k = f"[*{own}, *{u}]"
+                # Dropped once the step ran, as the engine drops what a node unpacked.
+                done = f"del {groups[first]}" if s == members[-1] else f"{u} = None"
             if escapes and steps[s][1] == "python_function":
                 body.append(f"o{k} = apply_function(deferred, {k}, i, {saved_k}{lifted})")
             else:
                 body.append(f"o{k} = apply_traced({k}, i, {saved_k}{lifted})")
             if done is not None:
-                body.append(f"del {done}")
+                body.append(done)
         elif mode == "opaque":
             body.append(f"o{k} = apply_opaque(deferred, {k}, i)")
         elif mode == "eager_accumulate":
