@@ -1389,12 +1389,6 @@ rg_status rg_collector_first_modified(const rg_collector* c, size_t begin, size_
   RG_CATCH
 }
 
-rg_status rg_saved_variable_unpack(const rg_sv* sv, rg_node* saved_for) {
-  RG_TRY
-  reinterpret_cast<const SavedVariable*>(sv)->unpack(as_node(saved_for)->getptr());
-  RG_CATCH
-}
-
 rg_status rg_saved_variable_unpack_value(const rg_sv* sv, rg_node* saved_for, rg_tensor** value) {
   RG_TRY
   *value = nullptr;

@@ -162,12 +162,9 @@ rg_status rg_collector_value(const rg_collector* c, size_t i, rg_tensor** value)
 // through its node), or end if none was.
 rg_status rg_collector_first_modified(const rg_collector* c, size_t begin, size_t end,
                                       size_t* slot);
-// Unpacks a node's own SavedVariable as the node would when it runs, for its errors (e.g.
-// "modified by an inplace operation"); the value is dropped.
-rg_status rg_saved_variable_unpack(const rg_sv* sv, rg_node* saved_for);
 // Unpacks a node's own SavedVariable as the node would when it runs (its unpack hook
-// called, if it has one) and outputs the value detached, as rg_collector_value's (null if
-// undefined).
+// called, if it has one; its errors raised, e.g. "modified by an inplace operation") and
+// outputs the value detached, as rg_collector_value's (null if undefined).
 rg_status rg_saved_variable_unpack_value(const rg_sv* sv, rg_node* saved_for, rg_tensor** value);
 // Registers the code of an unpack hook (saved_tensors_hooks) whose calls may be made before
 // their node runs, in a batch (non-reentrant checkpointing's: its first call recomputes the

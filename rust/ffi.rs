@@ -152,7 +152,6 @@ extern "C" {
         end: usize,
         slot: *mut usize,
     ) -> c_int;
-    fn rg_saved_variable_unpack(sv: *const RawSavedVariable, saved_for: *mut RawNode) -> c_int;
     fn rg_saved_variable_unpack_value(
         sv: *const RawSavedVariable,
         saved_for: *mut RawNode,
@@ -879,15 +878,6 @@ impl Drop for Collector {
         // SAFETY: we own the collector.
         unsafe { rg_collector_free(self.0.as_ptr()) }
     }
-}
-
-/// Unpacks `sv`, a SavedVariable of `node`, as the node would when it runs, for the errors
-/// that raises (the value is dropped).
-///
-/// # Safety
-/// `sv` must be the address of one of `node`'s SavedVariables.
-pub unsafe fn unpack_saved_variable(sv: *const RawSavedVariable, node: &NodeRef) -> Result<(), ShimError> {
-    check(rg_saved_variable_unpack(sv, node.as_ptr()))
 }
 
 /// Unpacks `sv`, a SavedVariable of `node`, as the node would when it runs (calling its

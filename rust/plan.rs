@@ -258,7 +258,8 @@ impl Plan {
         };
         let step = steps.partition_point(|s| s.saved.end as usize <= slot);
         // SAFETY: the slot's SavedVariable belongs to that step's node.
-        unsafe { ffi::unpack_saved_variable(self.layout.svs[slot], self.node(step as u32)?) }
+        unsafe { ffi::unpack_saved_value(self.layout.svs[slot], self.node(step as u32)?) }?;
+        Ok(())
     }
 
     /// Frees the saved variables of the nodes of the steps in `steps` that ran, as the
