@@ -551,6 +551,17 @@ void ordered_slots(const SavedVariableMap& unpacked, SlotOrder& out) {
   std::sort(out.begin(), out.end());
 }
 
+// The slot order of a visited node's hooked saved variables (see rg_collector_visit), after
+// the others: by hook id, the collection order.
+using HookedOrder = std::vector<std::pair<size_t, const SavedVariable*>>;
+void ordered_hooked(const AutogradCompilerCall& compiler, HookedOrder& out) {
+  out.clear();
+  for (const auto& [sv, ids] : compiler.sv_to_hooks) {
+    out.emplace_back(ids.first, sv);
+  }
+  std::sort(out.begin(), out.end());
+}
+
 // Appends the shapes node's outputs are validated against (the input metadata its valid
 // edges point at), in the order SwapSavedVariables::before(Edge&) swaps them. False for
 // nested tensors (whose metadata has no plain shape).
@@ -771,8 +782,8 @@ struct rg_collector {
   std::vector<uint32_t> versions;
   std::vector<uint8_t> key;
   std::vector<int64_t> sizes;
-  // The visited node's hooked saved variables by hook id (collection order).
-  std::vector<std::pair<size_t, const SavedVariable*>> hooked;
+  // The visited node's hooked saved variables, reused across visits.
+  HookedOrder hooked;
   // The visited node's saved variables by (TensorArg id, address), reused across visits.
   std::vector<std::pair<std::pair<uint32_t, uintptr_t>, const SavedVariable*>> order;
   // A tensor saved more than once (by several nodes, or twice by one) gets one value, the
@@ -1321,11 +1332,7 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
     c->values.push_back(std::move(value));
   }
   auto& hooked = c->hooked;
-  hooked.clear();
-  for (const auto& [sv, ids] : compiler.sv_to_hooks) {
-    hooked.emplace_back(ids.first, sv);
-  }
-  std::sort(hooked.begin(), hooked.end());
+  ordered_hooked(compiler, hooked);
   for (const auto& [id, sv] : hooked) {
     c->svs.push_back(sv);
     c->versions.push_back(0);
@@ -1514,19 +1521,16 @@ rg_status rg_node_apply_lifted(rg_node* n, const rg_tensor* const* inputs, size_
       symbolic.emplace_back(py::cast<c10::SymInt>(item));
     }
   }
-  // Hooked saved values come last, by hook id (as planned): what their unpack hook returned.
-  std::vector<size_t> hook_ids;
-  for (const auto& [sv, ids] : compiler.sv_to_hooks) {
-    hook_ids.push_back(ids.first);
-  }
-  std::sort(hook_ids.begin(), hook_ids.end());
+  // Hooked saved values come last (as planned): what their unpack hook returned.
+  HookedOrder hooked;
+  ordered_hooked(compiler, hooked);
   variable_list unpacked_values(compiler.hooks.size());
-  for (size_t j = 0; j < hook_ids.size(); ++j) {
+  for (size_t j = 0; j < hooked.size(); ++j) {
     const rg_tensor* value = saved[slots.size() + j];
     if (!value) {
       return fail(RG_KIND_RUNTIME, "rg_node_apply_lifted: a saved value is missing");
     }
-    unpacked_values.at(hook_ids[j]) = as_tensor(value);
+    unpacked_values.at(hooked[j].first) = as_tensor(value);
   }
   std::vector<int64_t> dims;
   if (!edge_dims(node, dims) ||
