@@ -26,6 +26,7 @@
 #include <torch/csrc/utils/torch_dispatch_mode.h>
 
 #include <ATen/SavedTensorHooks.h>
+#include <ATen/TensorSubclassLikeUtils.h>
 #include <ATen/record_function.h>
 
 #include <algorithm>
@@ -772,6 +773,88 @@ PyObject* deferrable_unpack_hook(const AutogradCompilerCall& compiler) {
   return found;
 }
 
+// InputBuffer::accumulate's test (input_buffer.cpp) of a gradient that may take a sum in
+// place: a plain dense tensor that no other tensor, C++ holder or view shares.
+bool can_accumulate_in_place(const at::Tensor& v) {
+  return !(at::isTensorSubclassLike(v) || v._is_zerotensor() || v.is_nested()) &&
+         v.is_non_overlapping_and_dense() && v.use_count() == 1 && v.has_storage() &&
+         v.storage().use_count() == 1;
+}
+
+// Whether the Python tensor `obj`, an argument of a METH_FASTCALL call, is held by nothing
+// but the caller's stack and the one variable or container it was read from. CPython 3.14
+// may push borrowed references (LOAD_FAST_BORROW): there the count proves nothing.
+bool held_once(PyObject* obj) {
+#if PY_VERSION_HEX >= 0x030E0000
+  (void)obj;
+  return false;
+#else
+  return Py_REFCNT(obj) == 2;
+#endif
+}
+
+// buffer_sum(*grads) for replays that run uncompiled: InputBuffer::add over gradients in
+// arrival order (None skipped), in place where the engine's accumulate would be. A gradient is
+// summed into in place only when nothing else can see it: the engine's test on its C++ use
+// counts, and no Python reference but the one the replay passes (held_once), or a sum made
+// here. Otherwise the sum is a new tensor, as in the engine (with grad mode on, always).
+PyObject* buffer_sum_in_place(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  THPObjectPtr total;
+  // `total` is a sum made here, or a gradient held_once: no one else sees it change.
+  bool ours = false;
+  for (Py_ssize_t k = 0; k < nargs; ++k) {
+    PyObject* arg = args[k];
+    if (arg == Py_None) {
+      continue;
+    }
+    if (!THPVariable_Check(arg)) {
+      PyErr_Format(PyExc_TypeError, "buffer_sum: expected Tensor or None, got %s",
+                   Py_TYPE(arg)->tp_name);
+      return nullptr;
+    }
+    if (!total) {
+      ours = held_once(arg);
+      total = THPObjectPtr(Py_NewRef(arg));
+      continue;
+    }
+    const at::Tensor& old_var = THPVariable_Unpack(total.get());
+    const at::Tensor& var = THPVariable_Unpack(arg);
+    at::Tensor sum;
+    // With grad mode on (create_graph) the engine always makes a new sum.
+    const bool may_reuse = !at::GradMode::is_enabled();
+    if (old_var.is_sparse() || old_var.is_sparse_csr()) {
+      // Onto a sparse sum the new gradient comes first.
+      if (may_reuse && held_once(arg) && can_accumulate_in_place(var)) {
+        const_cast<at::Tensor&>(var).add_(old_var);
+        total = THPObjectPtr(Py_NewRef(arg));
+        ours = false;
+        continue;
+      }
+      sum = var + old_var;
+    } else if (may_reuse && ours && can_accumulate_in_place(old_var) &&
+               !at::isTensorSubclassLike(var)) {
+      const_cast<at::Tensor&>(old_var).add_(var);
+      continue;
+    } else {
+      sum = old_var + var;
+    }
+    total = THPObjectPtr(THPVariable_Wrap(std::move(sum)));
+    if (!total) {
+      return nullptr;
+    }
+    ours = true;
+  }
+  if (!total) {
+    Py_RETURN_NONE;
+  }
+  return total.release();
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef buffer_sum_def = {"buffer_sum", reinterpret_cast<PyCFunction>(buffer_sum_in_place),
+                              METH_FASTCALL, nullptr};
+
 } // namespace
 
 struct rg_collector {
@@ -1401,6 +1484,15 @@ rg_status rg_saved_variable_unpack_value(const rg_sv* sv, rg_node* saved_for, rg
   *value = nullptr;
   at::Tensor unpacked = as_sv(sv)->unpack(as_node(saved_for)->getptr());
   *value = new_handle(detached_value(unpacked));
+  RG_CATCH
+}
+
+rg_status rg_buffer_sum_function(PyObject** out) {
+  RG_TRY
+  *out = PyCFunction_New(&buffer_sum_def, nullptr);
+  if (!*out) {
+    throw python_error();
+  }
   RG_CATCH
 }
 

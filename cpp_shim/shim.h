@@ -206,6 +206,12 @@ rg_status rg_node_accumulate(rg_node* node, rg_tensor* grad);
 rg_status rg_validate_root_grads(rg_node* const* nodes, const uint32_t* input_nrs, size_t n,
                                  const rg_tensor* const* grads, rg_tensor** out);
 rg_status rg_node_release_variables(rg_node* node);
+// A new reference to `buffer_sum(*grads)`, a Python function (METH_FASTCALL) for replays run
+// uncompiled: the sum of the gradients in arrival order (None skipped, None if all are), into
+// the first one in place where InputBuffer::add would accumulate in place and nothing else
+// can see the change: a gradient no C++ holder, view or other Python reference than the
+// caller's argument shares, or a sum made in the call. Needs the GIL.
+rg_status rg_buffer_sum_function(PyObject** out);
 
 // ---- the engine hook -------------------------------------------------------------------
 // Engine::execute hands a backward call to the function installed with

@@ -158,6 +158,7 @@ extern "C" {
         value: *mut *mut C_tensor,
     ) -> c_int;
     fn rg_unpack_hooks_defer(code: PyObjectPtr) -> c_int;
+    fn rg_buffer_sum_function(out: *mut PyObjectPtr) -> c_int;
 
     fn rg_node_apply(
         node: *mut RawNode,
@@ -902,6 +903,17 @@ pub unsafe fn unpack_saved_value(
 /// `code` must be a live Python object and the GIL held.
 pub unsafe fn defer_unpack_hooks(code: PyObjectPtr) -> Result<(), ShimError> {
     check(rg_unpack_hooks_defer(code))
+}
+
+/// A new reference to the shim's `buffer_sum(*grads)` for uncompiled replays, which sums in
+/// place where the engine's InputBuffer would (see cpp_shim/shim.h, rg_buffer_sum_function).
+///
+/// # Safety
+/// The GIL must be held.
+pub unsafe fn buffer_sum_function() -> Result<PyObjectPtr, ShimError> {
+    let mut out = ptr::null_mut();
+    check(rg_buffer_sum_function(&mut out))?;
+    Ok(out)
 }
 
 /// The engine hook: while installed, Engine::execute hands backward calls on threads where

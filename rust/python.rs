@@ -667,6 +667,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(engine_hook_uninstall, m)?)?;
     m.add_function(wrap_pyfunction!(engine_set_enabled, m)?)?;
     m.add_function(wrap_pyfunction!(defer_unpack_hooks, m)?)?;
+    // SAFETY: GIL held; the shim returns a new reference.
+    let buffer_sum = unsafe { Bound::from_owned_ptr(m.py(), ffi::buffer_sum_function()?) };
+    m.add("buffer_sum", buffer_sum)?;
     m.add("TORCH_VERSION", env!("REPLAYGRAD_TORCH_VERSION"))?;
     Ok(())
 }

@@ -22,6 +22,7 @@ import replaygrad
 from conftest import (
     COMPILERS,
     FAST_COMPILERS,
+    assert_grads_equal,
     assert_same,
     compare,
     counting_backend,
@@ -474,6 +475,58 @@ def test_accumulation_into_an_existing_grad(compiler):
         # Whether .grad was updated in place (the user's tensor sees it) must match too.
         log.append(("same object", v.grad is preset, summary(preset)))
         return log, grads_of([w, v])
+
+    compare(run, compiler)
+
+
+def _buffer_ops(backward) -> tuple[dict[str, int], list]:
+    """The additions a backward makes (aten::add and aten::add_ counts) and its gradients:
+    x feeds four nodes, so four gradients meet in its buffer."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 64, requires_grad=True)
+    h = x * 1.5
+    loss = (h.sin() + h.cos() * 2 + h.exp() / 3 + h.tanh()).sum()
+    with torch.profiler.profile() as prof:
+        backward(loss)
+    counts = {e.key: e.count for e in prof.key_averages() if e.key in ("aten::add", "aten::add_")}
+    return counts, grads_of([x])
+
+
+def test_uncompiled_replay_sums_gradients_in_place_where_the_engine_does():
+    # InputBuffer::add sums into a gradient in place when nothing else holds it: the
+    # uncompiled replay makes the same additions, not a new tensor per gradient.
+    expected, expected_grads = _buffer_ops(eager_backward)
+    got, got_grads = _buffer_ops(replay_backward(None))
+    assert expected.get("aten::add_", 0) >= 3, f"eager sums in place: {expected}"
+    assert got == expected
+    assert_grads_equal(expected_grads, got_grads, exact=True)
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+@pytest.mark.parametrize("holder", ["post_hook", "tensor_hook", "retain_grad"])
+def test_gradient_summed_into_a_buffer_while_held_elsewhere_is_not_changed(compiler, holder):
+    # The first gradient to reach h's buffer is a's, passed through by clone's backward: a
+    # hook that kept it (clone's post hook, or a tensor hook on a) or a's retained .grad
+    # still sees the gradient that arrived, not the sum made in h's buffer.
+    def run(backward):
+        torch.manual_seed(0)
+        log = []
+        x = torch.randn(4, requires_grad=True)
+        h = x * 2
+        b = h.exp()
+        a = h.clone()  # made last, run first
+        kept = []
+        if holder == "post_hook":
+            a.grad_fn.register_hook(lambda grad_inputs, grads: kept.extend(grad_inputs))
+        elif holder == "tensor_hook":
+            a.register_hook(lambda g: kept.append(g))
+        else:
+            a.retain_grad()
+        backward((a * 3 + b).sum())
+        log.append(("kept", summary(kept)))
+        if holder == "retain_grad":
+            log.append(("retained", summary(a.grad)))
+        return log, grads_of([x])
 
     compare(run, compiler)
 

@@ -435,7 +435,16 @@ class ReplayCache:
 
         size = self.region_size if config.compiler is not None else None
         saved = plan.saved_values() if size is not None else ()
-        replay = build(plan, compile_region, hooks_in_graph, opaque, size, saved, escapes)
+        replay = build(
+            plan,
+            compile_region,
+            hooks_in_graph,
+            opaque,
+            size,
+            saved,
+            escapes,
+            in_place_sums=config.compiler is None,
+        )
         source_log.debug("replay %s:\n%s", plan.key, replay.source)
         return replay
 

@@ -746,7 +746,9 @@ def retained(grad: Any) -> Any:
 
 
 def buffer_sum(*grads: Any) -> Any:
-    """InputBuffer::add over gradients in arrival order (undefined ones are skipped)."""
+    """InputBuffer::add over gradients in arrival order (undefined ones are skipped), as new
+    tensors: for compiled regions (whose compiler reuses buffers itself); uncompiled ones sum
+    in place where the engine would (``_core.buffer_sum``)."""
     total = None
     for g in grads:
         if g is None:
@@ -1069,14 +1071,8 @@ def _region_source(
 
     # Buffers summed as their gradients arrive (see above): those of later steps that this
     # region feeds, and those of its own steps that take two gradients or more (what
-    # arrived before the region counts as one); the others hold their one gradient. Every
-    # step's outputs die after their last reader here.
+    # arrived before the region counts as one); the others hold their one gradient.
     feeds: dict[int, list[tuple[tuple[int, int], int]]] = {}
-    last = {p: p for p in range(start, end)}
-    for p in range(start, end):
-        for t, _ in steps[p][9]:
-            if start <= t < end:
-                last[p] = max(last[p], t)
     for target in dict.fromkeys(
         (t, slot) for p in range(start, end) for t, slot in steps[p][9] if t >= start
     ):
@@ -1085,6 +1081,15 @@ def _region_source(
         if target[0] >= end or len(local) + any(p < start for p, _ in sources) > 1:
             for p, i in local:
                 feeds.setdefault(p, []).append((target, i))
+    # Every step's outputs die after their last reader here: the step itself for those
+    # summed into a buffer on arrival, so that a sum can go into the first gradient in place
+    # (see _core.buffer_sum), as the engine's does.
+    last = {p: p for p in range(start, end)}
+    for p in range(start, end):
+        fed = {(target, i) for target, i in feeds.get(p, ())}
+        for i, (t, slot) in enumerate(steps[p][9]):
+            if start <= t < end and ((t, slot), i) not in fed:
+                last[p] = max(last[p], t)
     partial: dict[tuple[int, int], str] = {}
 
     def buffer(step: int, slot: int) -> str:
@@ -1282,15 +1287,19 @@ def build(
     region_size: int | None = None,
     saved: Sequence[Any] = (),
     escapes: bool = True,
+    in_place_sums: bool = False,
 ) -> Replay:
     """Generates the replay of ``plan``, each region's function compiled by
-    ``compile_region(region, fn)``."""
+    ``compile_region(region, fn)``. ``in_place_sums``: the regions run as Python (not
+    compiled) and sum gradients in place where the engine would (``_core.buffer_sum``;
+    :func:`buffer_sum`, which compilers trace, always makes new sums)."""
     steps = plan.steps()
     opaque = opaque | sparse_gradient_steps(plan, steps)
     found = regions(plan, steps, hooks_in_graph, opaque, region_size, saved, escapes)
     namespace: dict[str, Any] = {"at": at, "buffer_sum": buffer_sum}
+    runtime = {**_RUNTIME, "buffer_sum": _core.buffer_sum} if in_place_sums else _RUNTIME
     for r, g in enumerate(found):
-        scope: dict[str, Any] = dict(_RUNTIME)
+        scope: dict[str, Any] = dict(runtime)
         exec(compile(g.source, f"<replaygrad region {g.key[:12]}>", "exec"), scope)
         namespace[f"R{r}"] = compile_region(g, scope["region"])
     driver = _driver_source(steps, found, plan.num_captures, hooks_in_graph)
