@@ -443,7 +443,7 @@ class ReplayCache:
             size,
             saved,
             escapes,
-            in_place_sums=config.compiler is None,
+            uncompiled=config.compiler is None,
         )
         source_log.debug("replay %s:\n%s", plan.key, replay.source)
         return replay

@@ -222,6 +222,20 @@ def apply_traced(step: int, inputs: list, saved: list, sizes: list | None = None
     return outputs
 
 
+def apply_uncompiled(step: int, inputs: list, saved: list, sizes: list | None = None) -> tuple:
+    """:func:`apply_traced` in a replay that runs as Python (no compiler traces it): the
+    node runs for real with ``saved`` swapped in (its sizes are its own)."""
+    run = _running()
+    plan_step = run.reached = run.base + step
+    if run.plan.kind(plan_step) == "python_function":
+        return apply_traced(step, inputs, saved, sizes)
+    try:
+        return run.plan.apply(plan_step, inputs, saved)
+    except Exception as error:
+        error.__replaygrad_node_error__ = True  # type: ignore[attr-defined]
+        raise
+
+
 def _apply(
     plan: _core.Plan, step: int, inputs: list, saved: list, sizes: list | None, may_break: bool
 ) -> tuple:
@@ -1287,17 +1301,20 @@ def build(
     region_size: int | None = None,
     saved: Sequence[Any] = (),
     escapes: bool = True,
-    in_place_sums: bool = False,
+    uncompiled: bool = False,
 ) -> Replay:
     """Generates the replay of ``plan``, each region's function compiled by
-    ``compile_region(region, fn)``. ``in_place_sums``: the regions run as Python (not
-    compiled) and sum gradients in place where the engine would (``_core.buffer_sum``;
-    :func:`buffer_sum`, which compilers trace, always makes new sums)."""
+    ``compile_region(region, fn)``. ``uncompiled``: the regions run as Python (no compiler
+    traces them): their steps run as :func:`apply_uncompiled`, and they sum gradients in
+    place where the engine would (``_core.buffer_sum``; :func:`buffer_sum`, which compilers
+    trace, always makes new sums)."""
     steps = plan.steps()
     opaque = opaque | sparse_gradient_steps(plan, steps)
     found = regions(plan, steps, hooks_in_graph, opaque, region_size, saved, escapes)
     namespace: dict[str, Any] = {"at": at, "buffer_sum": buffer_sum}
-    runtime = {**_RUNTIME, "buffer_sum": _core.buffer_sum} if in_place_sums else _RUNTIME
+    runtime = _RUNTIME
+    if uncompiled:
+        runtime = {**_RUNTIME, "apply_traced": apply_uncompiled, "buffer_sum": _core.buffer_sum}
     for r, g in enumerate(found):
         scope: dict[str, Any] = dict(runtime)
         exec(compile(g.source, f"<replaygrad region {g.key[:12]}>", "exec"), scope)
