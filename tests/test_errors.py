@@ -62,3 +62,70 @@ def test_unknown_compiler_name():
     with pytest.raises(ValueError, match="unknown compiler 'no-such-backend'"):
         replaygrad.backward((w * 2).sum(), compiler="no-such-backend")
     assert w.grad is None
+
+
+# ---- checks of backward formulas that compiled code leaves out -----------------------------
+
+F = torch.nn.functional
+
+#: In-place activations whose backward runs from their result: eager raises for a negative
+#: slope; inductor's decompositions of their backward have no such check.
+_IN_PLACE_ACTIVATIONS = {
+    "leaky_relu_": lambda t, s: F.leaky_relu_(t, s),
+    "elu_": lambda t, s: F.elu_(t, alpha=s),
+    "celu_": lambda t, s: F.celu_(t, alpha=s),
+    "rrelu_": lambda t, s: F.rrelu_(t, 2 * s - 0.5, 0.5),  # slope (lower + upper) / 2 = s
+}
+
+
+def _activation_backward(op: str, slope: float, backward) -> torch.Tensor:
+    a = torch.tensor([-1.0, 0.5, 2.0], requires_grad=True)
+    out = _IN_PLACE_ACTIVATIONS[op](a * 1.5, slope)
+    backward((out * out).sum())
+    return a.grad
+
+
+def _compiled_backward(compiler):
+    return lambda *a, **k: replaygrad.backward(*a, compiler=compiler, **k)
+
+
+@pytest.mark.parametrize("compiler", [None, "aot_eager", "inductor"])
+@pytest.mark.parametrize("op", sorted(_IN_PLACE_ACTIVATIONS))
+def test_in_place_activation_with_a_negative_slope(op, compiler):
+    with pytest.raises(RuntimeError) as expected:
+        _activation_backward(op, -2.0, torch.autograd.backward)
+    with pytest.raises(RuntimeError) as got:
+        _activation_backward(op, -2.0, _compiled_backward(compiler))
+    assert str(got.value) == str(expected.value)
+    # With a slope of 0 or more the same graph's backward works.
+    expected_grad = _activation_backward(op, 0.25, torch.autograd.backward)
+    torch.testing.assert_close(
+        _activation_backward(op, 0.25, _compiled_backward(compiler)), expected_grad
+    )
+
+
+@pytest.mark.parametrize("compiler", [None, "aot_eager"])
+def test_eig_backward_of_a_loss_that_depends_on_the_eigenvectors_phases(compiler):
+    def run(loss_of, backward):
+        torch.manual_seed(0)
+        a = torch.randn(3, 3, dtype=torch.complex128, requires_grad=True)
+        values, vectors = torch.linalg.eig(a)
+        backward(loss_of(values, vectors))
+        return a.grad
+
+    # Not invariant to a phase per eigenvector: eager's formula raises.
+    def phase_dependent(values, vectors):
+        return vectors.real.sum()
+
+    with pytest.raises(RuntimeError) as expected:
+        run(phase_dependent, torch.autograd.backward)
+    with pytest.raises(RuntimeError) as got:
+        run(phase_dependent, _compiled_backward(compiler))
+    assert str(got.value) == str(expected.value)
+
+    def invariant(values, vectors):
+        return values.abs().sum() + vectors.abs().sum()
+
+    torch.testing.assert_close(
+        run(invariant, _compiled_backward(compiler)), run(invariant, torch.autograd.backward)
+    )

@@ -863,7 +863,7 @@ def generate_source(
     """The replay source of ``plan``: the driver, then its regions (see :func:`regions`)."""
     steps = plan.steps()
     saved = plan.saved_values() if region_size is not None else ()
-    opaque = opaque | sparse_gradient_steps(plan, steps)
+    opaque = opaque | steps_run_as_themselves(plan, steps)
     found = regions(plan, steps, hooks_in_graph, opaque, region_size, saved)
     return _replay_source(found, _driver_source(steps, found, plan.num_captures, hooks_in_graph))
 
@@ -874,24 +874,42 @@ def _replay_source(found: Sequence[Region], driver: str) -> str:
     )
 
 
-def sparse_gradient_steps(plan: _core.Plan, steps: list) -> frozenset[int]:
-    """Traced steps whose node makes sparse gradients (``embedding(..., sparse=True)``,
-    ``gather(..., sparse_grad=True)``): they run as themselves. Traced, the fake tensors do
-    not always say so (embedding's backward traces to a dense tensor), and a compiler given
-    sparse values where it traced dense ones computes wrong gradients without an error."""
+def steps_run_as_themselves(plan: _core.Plan, steps: list) -> frozenset[int]:
+    """Traced steps that run as themselves whatever the compiler, found by their node's
+    saved state:
+
+    - nodes that make sparse gradients (``embedding(..., sparse=True)``,
+      ``gather(..., sparse_grad=True)``). Traced, the fake tensors do not always say so
+      (embedding's backward traces to a dense tensor), and a compiler given sparse values
+      where it traced dense ones computes wrong gradients without an error;
+    - nodes whose backward raises in eager on a check that compiled code leaves out: the
+      in-place ``leaky_relu_``, ``elu_``, ``celu_`` and ``rrelu_`` with a negative slope
+      (inductor's decompositions have no such check), and ``linalg.eig``, whose formula
+      checks that the loss does not depend on the eigenvectors' phases only on real tensors.
+    """
     candidates = [s for s, step in enumerate(steps) if step[2] == "traced"]
     if not candidates:
         return frozenset()
     nodes = plan.nodes()
-    return frozenset(
-        s
-        for s in candidates
-        if any(getattr(nodes[s], name, False) is True for name in _SPARSE_FLAGS)
-    )
+    return frozenset(s for s in candidates if _runs_as_itself(nodes[s]))
 
 
 #: The saved flags of torch's generated nodes that make their gradients sparse.
 _SPARSE_FLAGS = ("_saved_sparse", "_saved_sparse_grad")
+
+
+def _runs_as_itself(node: Any) -> bool:
+    """See :func:`steps_run_as_themselves`."""
+    if any(getattr(node, name, False) is True for name in _SPARSE_FLAGS):
+        return True
+    name = type(node).__name__
+    if name in ("LeakyReluBackward1", "EluBackward1", "CeluBackward1"):
+        # The backward of the in-place op, from its result: slopes below 0 raise.
+        slope = node._saved_negative_slope if name == "LeakyReluBackward1" else node._saved_alpha
+        return slope < 0
+    if name == "RreluWithNoiseBackward1":
+        return (node._saved_lower + node._saved_upper) / 2 < 0
+    return name == "LinalgEigBackward0"
 
 
 def regions(
@@ -1309,7 +1327,7 @@ def build(
     place where the engine would (``_core.buffer_sum``; :func:`buffer_sum`, which compilers
     trace, always makes new sums)."""
     steps = plan.steps()
-    opaque = opaque | sparse_gradient_steps(plan, steps)
+    opaque = opaque | steps_run_as_themselves(plan, steps)
     found = regions(plan, steps, hooks_in_graph, opaque, region_size, saved, escapes)
     namespace: dict[str, Any] = {"at": at, "buffer_sum": buffer_sum}
     runtime = _RUNTIME
