@@ -105,11 +105,15 @@ def test_in_place_activation_with_a_negative_slope(op, compiler):
 
 
 @pytest.mark.parametrize("compiler", [None, "aot_eager"])
-def test_eig_backward_of_a_loss_that_depends_on_the_eigenvectors_phases(compiler):
+@pytest.mark.parametrize("decomposition", ["eig", "eigh"])
+def test_eig_backward_of_a_loss_that_depends_on_the_eigenvectors_phases(decomposition, compiler):
     def run(loss_of, backward):
         torch.manual_seed(0)
-        a = torch.randn(3, 3, dtype=torch.complex128, requires_grad=True)
-        values, vectors = torch.linalg.eig(a)
+        a = torch.randn(3, 3, dtype=torch.complex128)
+        if decomposition == "eigh":
+            a = a + a.mH
+        a.requires_grad_()
+        values, vectors = getattr(torch.linalg, decomposition)(a)
         backward(loss_of(values, vectors))
         return a.grad
 

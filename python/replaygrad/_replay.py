@@ -884,8 +884,9 @@ def steps_run_as_themselves(plan: _core.Plan, steps: list) -> frozenset[int]:
       where it traced dense ones computes wrong gradients without an error;
     - nodes whose backward raises in eager on a check that compiled code leaves out: the
       in-place ``leaky_relu_``, ``elu_``, ``celu_`` and ``rrelu_`` with a negative slope
-      (inductor's decompositions have no such check), and ``linalg.eig``, whose formula
-      checks that the loss does not depend on the eigenvectors' phases only on real tensors.
+      (inductor's decompositions have no such check), and ``linalg.eig`` and complex
+      ``linalg.eigh``, whose formula checks that the loss does not depend on the
+      eigenvectors' phases only on real tensors.
     """
     candidates = [s for s, step in enumerate(steps) if step[2] == "traced"]
     if not candidates:
@@ -909,6 +910,9 @@ def _runs_as_itself(node: Any) -> bool:
         return slope < 0
     if name == "RreluWithNoiseBackward1":
         return (node._saved_lower + node._saved_upper) / 2 < 0
+    if name == "LinalgEighBackward0":
+        # Real eigenvectors have no phase to check.
+        return node._saved_eigenvectors.is_complex()
     return name == "LinalgEigBackward0"
 
 
