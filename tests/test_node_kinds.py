@@ -502,6 +502,22 @@ def test_uncompiled_replay_sums_gradients_in_place_where_the_engine_does():
     assert_grads_equal(expected_grads, got_grads, exact=True)
 
 
+def test_uncompiled_sum_into_a_gradient_keeps_its_strides():
+    # A channels_last 1x1 conv weight used twice: the engine sums its second gradient into
+    # the first in place, whose strides in size-1 dims (16, 1, 16, 16) a new sum would not
+    # keep ((16, 1, 1, 1)); .grad takes them. The uncompiled replay sums in place too.
+    def run(backward):
+        torch.manual_seed(0)
+        w = torch.randn(16, 16, 1, 1).to(memory_format=torch.channels_last).requires_grad_()
+        x = torch.randn(2, 16, 4, 4)
+        backward((F.conv2d(x, w) + F.conv2d(x * 2, w)).sum())
+        return w.grad
+
+    expected, got = run(eager_backward), run(replay_backward(None))
+    assert got.stride() == expected.stride() == (16, 1, 16, 16)
+    assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("compiler", FAST_COMPILERS)
 @pytest.mark.parametrize("holder", ["post_hook", "tensor_hook", "retain_grad"])
 def test_gradient_summed_into_a_buffer_while_held_elsewhere_is_not_changed(compiler, holder):
