@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -133,3 +135,41 @@ def test_eig_backward_of_a_loss_that_depends_on_the_eigenvectors_phases(decompos
     torch.testing.assert_close(
         run(invariant, _compiled_backward(compiler)), run(invariant, torch.autograd.backward)
     )
+
+
+def _put_backward(backward, deterministic: bool | None) -> tuple:
+    """A backward through ``Tensor.put`` (without accumulate), whose formula's ``put_`` has no
+    deterministic CPU kernel, with determinism on (True), on with warn_only (None) or off
+    (False); returns the error message, put_'s warnings and the gradient."""
+    x = torch.randn(5, requires_grad=True)
+    source = torch.tensor([1.0, 2.0], requires_grad=True)
+    loss = (x.put(torch.tensor([1, 1]), source) * torch.arange(5.0)).sum()
+    prior = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    torch.use_deterministic_algorithms(deterministic is not False, warn_only=deterministic is None)
+    error = None
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                backward(loss)
+            except RuntimeError as e:
+                error = str(e)
+    finally:
+        torch.use_deterministic_algorithms(prior[0], warn_only=prior[1])
+    alerts = [str(w.message) for w in caught if "put_" in str(w.message)]
+    return error, alerts, x.grad
+
+
+@pytest.mark.parametrize("compiler", [None, "aot_eager", "inductor"])
+def test_put_backward_under_deterministic_algorithms(compiler):
+    # Each call follows the setting it runs under, with one compiled replay for all of them.
+    for deterministic in (True, None, False, True):
+        expected = _put_backward(torch.autograd.backward, deterministic)
+        got = _put_backward(_compiled_backward(compiler), deterministic)
+        assert got[:2] == expected[:2]
+        assert (got[2] is None) == (expected[2] is None)
+        if expected[2] is not None:
+            assert torch.equal(got[2], expected[2])

@@ -886,7 +886,9 @@ def steps_run_as_themselves(plan: _core.Plan, steps: list) -> frozenset[int]:
       in-place ``leaky_relu_``, ``elu_``, ``celu_`` and ``rrelu_`` with a negative slope
       (inductor's decompositions have no such check), and ``linalg.eig`` and complex
       ``linalg.eigh``, whose formula checks that the loss does not depend on the
-      eigenvectors' phases only on real tensors.
+      eigenvectors' phases only on real tensors;
+    - ``Tensor.put`` without ``accumulate``, whose backward's ``put_`` alerts under
+      ``torch.use_deterministic_algorithms`` (inductor's code does not).
     """
     candidates = [s for s, step in enumerate(steps) if step[2] == "traced"]
     if not candidates:
@@ -910,6 +912,11 @@ def _runs_as_itself(node: Any) -> bool:
         return slope < 0
     if name == "RreluWithNoiseBackward1":
         return (node._saved_lower + node._saved_upper) / 2 < 0
+    if name == "PutBackward0":
+        # Its formula's put_ (accumulate=False) alerts under torch.use_deterministic_algorithms
+        # (raises, or warns with warn_only) as the setting is on each call; inductor's code
+        # for it does not.
+        return not node._saved_accumulate
     if name == "LinalgEighBackward0":
         # Real eigenvectors have no phase to check.
         return node._saved_eigenvectors.is_complex()
