@@ -918,8 +918,9 @@ def _runs_as_itself(node: Any) -> bool:
         # for it does not.
         return not node._saved_accumulate
     if name == "LinalgEighBackward0":
-        # Real eigenvectors have no phase to check.
-        return node._saved_eigenvectors.is_complex()
+        # Real eigenvectors have no phase to check. (Read from the gradient's metadata: the
+        # saved value may be behind an unpack hook, e.g. checkpointing's.)
+        return node._input_metadata[1].dtype.is_complex
     return name == "LinalgEigBackward0"
 
 
