@@ -783,9 +783,10 @@ bool can_accumulate_in_place(const at::Tensor& v) {
 
 // Whether the Python tensor `obj`, an argument of a METH_FASTCALL call, is held by nothing
 // but the caller's stack and the one variable or container it was read from. CPython 3.14
-// may push borrowed references (LOAD_FAST_BORROW): there the count proves nothing.
+// may push borrowed references (LOAD_FAST_BORROW), and free-threaded builds split the count
+// between threads: there the count proves nothing.
 bool held_once(PyObject* obj) {
-#if PY_VERSION_HEX >= 0x030E0000
+#if PY_VERSION_HEX >= 0x030E0000 || defined(Py_GIL_DISABLED)
   (void)obj;
   return false;
 #else
