@@ -225,12 +225,12 @@ def apply_traced(step: int, inputs: list, saved: list, sizes: list | None = None
 def apply_uncompiled(step: int, inputs: list, saved: list, sizes: list | None = None) -> tuple:
     """:func:`apply_traced` in a replay that runs as Python (no compiler traces it): the
     node runs for real with ``saved`` swapped in (its sizes are its own)."""
-    run = _running()
-    plan_step = run.reached = run.base + step
-    if run.plan.kind(plan_step) == "python_function":
+    plan_step = _step(step)
+    plan = current_plan()
+    if plan.kind(plan_step) == "python_function":
         return apply_traced(step, inputs, saved, sizes)
     try:
-        return run.plan.apply(plan_step, inputs, saved)
+        return plan.apply(plan_step, inputs, saved)
     except Exception as error:
         error.__replaygrad_node_error__ = True  # type: ignore[attr-defined]
         raise
