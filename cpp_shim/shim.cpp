@@ -1545,9 +1545,73 @@ rg_status rg_collector_values_to_list(const rg_collector* c, PyObject** out) {
   RECORD_FUNCTION(c10::str("autograd::engine::evaluate_function: ", (node).name()),             \
                   c10::ArrayRef<const c10::IValue>())
 
+// Calls the tensor pre-hooks and retains_grad hooks `node` has beyond `planned`, as
+// call_tensor_pre_hooks does: in list order, after the planned ones, which the replay called
+// already.
+static variable_list call_new_tensor_pre_hooks(Node& node, const rg_planned_hooks& planned,
+                                               variable_list inputs) {
+  auto& tensor_pre = node.tensor_pre_hooks();
+  for (size_t i = planned.tensor_pre; i < tensor_pre.size(); ++i) {
+    inputs = (*tensor_pre[i])(inputs);
+  }
+  const uint32_t* watched = planned.retains_grad;
+  const uint32_t* watched_end = watched + planned.n_retains_grad;
+  for (const auto& [output, hook] : node.retains_grad_hooks()) {
+    if (std::find(watched, watched_end, output) == watched_end) {
+      inputs = (*hook)(inputs);
+    }
+  }
+  return inputs;
+}
+
+// Calls the hooks `node` has beyond `planned` that the engine calls before it: those of
+// call_tensor_pre_hooks (unless the replay called them already, before the node's planned
+// pre-hooks), then those of call_pre_hooks.
+static variable_list call_new_pre_hooks(Node& node, const rg_planned_hooks& planned,
+                                        variable_list inputs) {
+  if (!planned.tensor_pre_done) {
+    inputs = call_new_tensor_pre_hooks(node, planned, std::move(inputs));
+  }
+  auto& pre = node.pre_hooks();
+  for (size_t i = planned.pre; i < pre.size(); ++i) {
+    inputs = (*pre[i])(inputs);
+  }
+  return inputs;
+}
+
+// Calls the post hooks `node` has beyond `planned` after it ran, as call_post_hooks does:
+// given the inputs only if the node had post hooks when it was called.
+static variable_list call_new_post_hooks(Node& node, const rg_planned_hooks& planned,
+                                         variable_list outputs, bool had_post_hooks,
+                                         const variable_list& inputs) {
+  auto& post = node.post_hooks();
+  const variable_list none;
+  for (size_t i = planned.post; i < post.size(); ++i) {
+    outputs = (*post[i])(outputs, had_post_hooks ? inputs : none);
+  }
+  return outputs;
+}
+
+rg_status rg_node_call_new_tensor_pre_hooks(rg_node* n, const rg_planned_hooks* planned,
+                                            const rg_tensor* const* values, size_t count,
+                                            rg_tensor** out) {
+  RG_TRY
+  variable_list result;
+  {
+    WithoutGil no_gil;
+    result = call_new_tensor_pre_hooks(*as_node(n), *planned, to_list(values, count));
+  }
+  if (result.size() != count) {
+    return fail(RG_KIND_RUNTIME, "rg_node_call_new_tensor_pre_hooks: a hook changed the number of values");
+  }
+  write_list(std::move(result), out);
+  RG_CATCH
+}
+
 rg_status rg_node_apply(rg_node* n, const rg_tensor* const* inputs, size_t n_inputs,
                         const rg_sv* const* svs, const rg_tensor* const* saved, size_t n_saved,
-                        int as_itself, rg_tensor** out, size_t cap, size_t* n_out) {
+                        const rg_planned_hooks* live, rg_tensor** out, size_t cap,
+                        size_t* n_out) {
   RG_TRY
   Node& node = *as_node(n);
   *n_out = 0;
@@ -1558,17 +1622,16 @@ rg_status rg_node_apply(rg_node* n, const rg_tensor* const* inputs, size_t n_inp
     at::AutoGradMode grad_mode(false);
     WithoutGil no_gil;
     RECORD_EVALUATE_FUNCTION(node);
+    variable_list args = to_list(inputs, n_inputs);
+    if (live != nullptr) {
+      args = call_new_pre_hooks(node, *live, std::move(args));
+    }
+    // As in call_function: post hooks get the inputs if the node had any when it was called.
     const bool had_post_hooks = !node.post_hooks().empty();
-    outputs = node(to_list(inputs, n_inputs));
+    outputs = node(live != nullptr && had_post_hooks ? variable_list(args) : std::move(args));
     validate(node, node.next_edges(), outputs);
-    if (as_itself && !had_post_hooks) {
-      // Post hooks the node got while it ran (e.g. registered on the current node by an
-      // unpack hook or a Function's backward): the engine reads the list after the call and
-      // runs them without inputs (call_post_hooks with had_post_hooks false); the replay
-      // runs the hooks the node had when it was planned.
-      for (const auto& hook : node.post_hooks()) {
-        outputs = (*hook)(outputs, variable_list());
-      }
+    if (live != nullptr) {
+      outputs = call_new_post_hooks(node, *live, std::move(outputs), had_post_hooks, args);
     }
   }
   return hand_out(std::move(outputs), out, cap, n_out);
@@ -1666,7 +1729,7 @@ rg_status rg_node_type_not_liftable(rg_node* n) {
   RG_CATCH
 }
 
-rg_status rg_node_accumulate(rg_node* n, rg_tensor* grad) {
+rg_status rg_node_accumulate(rg_node* n, rg_tensor* grad, const rg_planned_hooks* planned) {
   RG_TRY
   Node& node = *as_node(n);
   if (!dynamic_cast<AccumulateGrad*>(&node)) {
@@ -1679,7 +1742,13 @@ rg_status rg_node_accumulate(rg_node* n, rg_tensor* grad) {
   at::AutoGradMode grad_mode(false);
   WithoutGil no_gil;
   RECORD_EVALUATE_FUNCTION(node);
-  node(std::move(inputs));
+  inputs = call_new_pre_hooks(node, *planned, std::move(inputs));
+  // As in call_function, the inputs are kept for post hooks, a reference AccumulateGrad
+  // allows for when it steals the gradient. For the planned ones the caller keeps them.
+  const bool had_post_hooks = !node.post_hooks().empty();
+  const bool new_post_hooks = node.post_hooks().size() > planned->post;
+  auto outputs = node(new_post_hooks ? variable_list(inputs) : std::move(inputs));
+  call_new_post_hooks(node, *planned, std::move(outputs), had_post_hooks, inputs);
   RG_CATCH
 }
 

@@ -30,6 +30,18 @@ typedef struct rg_tensor rg_tensor;
 typedef struct rg_sv rg_sv;
 typedef struct rg_collector rg_collector;
 typedef struct rg_engine_call rg_engine_call;
+// The hooks a node had when it was planned (see rg_node_apply): the sizes of its
+// tensor_pre_hooks, pre_hooks and post_hooks lists, and the outputs its retains_grad hooks
+// watched. `tensor_pre_done`: the new tensor pre-hooks and retains_grad hooks were called
+// already (rg_node_call_new_tensor_pre_hooks).
+typedef struct {
+  size_t tensor_pre;
+  size_t pre;
+  size_t post;
+  const uint32_t* retains_grad;
+  size_t n_retains_grad;
+  int tensor_pre_done;
+} rg_planned_hooks;
 
 typedef enum {
   RG_OK = 0,
@@ -179,12 +191,21 @@ rg_status rg_collector_values_to_list(const rg_collector* c, PyObject** out);
 // Runs node(inputs) with grad mode off and then validate_outputs(next_edges) as the engine's
 // call_function does. If n_saved > 0, each svs[i] is first swapped with a SavedVariable built
 // from saved[i] (no saved-tensor hooks run) and swapped back afterwards, also on error.
-// `as_itself`: the node runs for real with its own state (not traced); if it had no post
-// hooks, those it got while it ran are called after it, as the engine does.
-// Writes num_outputs tensors to out (caller provides num_outputs slots), *n_out = count.
+// `live`: the node runs for real (not traced), and `live` holds the hooks it had when it was
+// planned, which the replay calls around this call. The hooks it has beyond those (registered
+// since by an earlier hook of this backward, or while it runs) are called here as the engine
+// calls them: tensor pre-hooks, retains_grad hooks and pre-hooks before it, post hooks after
+// it (given the inputs only if the node had post hooks when it was called). Null: traced.
 rg_status rg_node_apply(rg_node* node, const rg_tensor* const* inputs, size_t n_inputs,
                         const rg_sv* const* svs, const rg_tensor* const* saved, size_t n_saved,
-                        int as_itself, rg_tensor** out, size_t cap, size_t* n_out);
+                        const rg_planned_hooks* live, rg_tensor** out, size_t cap,
+                        size_t* n_out);
+// Calls the tensor pre-hooks and retains_grad hooks the node has beyond `planned` on
+// `count` values, writing `count` results: what the engine calls before the node's pre-hooks,
+// for a node whose planned pre-hooks the replay is about to call.
+rg_status rg_node_call_new_tensor_pre_hooks(rg_node* node, const rg_planned_hooks* planned,
+                                            const rg_tensor* const* values, size_t count,
+                                            rg_tensor** out);
 // rg_node_apply for a node whose sizes are lifted (see rg_collector_visit), with its saved
 // values (in slot order, as planned) and sizes replaced by the given ones while it runs:
 // `sizes` is a Python sequence of int or torch.SymInt, one per planned size. Runs the node
@@ -199,8 +220,9 @@ rg_status rg_node_apply_lifted(rg_node* node, const rg_tensor* const* inputs, si
 rg_status rg_node_type_not_liftable(rg_node* node);
 // Runs an AccumulateGrad node on `grad`, which it takes over: the handle is left undefined,
 // so that AccumulateGrad can steal a gradient no one else holds (make it .grad without a
-// copy), as it does in the engine. `grad` may be NULL (no gradient).
-rg_status rg_node_accumulate(rg_node* node, rg_tensor* grad);
+// copy), as it does in the engine. `grad` may be NULL (no gradient). The hooks the node has
+// beyond `planned` are called around it (see rg_node_apply's `live`).
+rg_status rg_node_accumulate(rg_node* node, rg_tensor* grad, const rg_planned_hooks* planned);
 // validate_outputs over root edges (nodes may be null for edges of tensors that need no
 // grad), as Engine::execute does before running; writes the checked/cast grads to out.
 rg_status rg_validate_root_grads(rg_node* const* nodes, const uint32_t* input_nrs, size_t n,

@@ -167,10 +167,17 @@ extern "C" {
         svs: *const *const RawSavedVariable,
         saved: *const *const C_tensor,
         n_saved: usize,
-        as_itself: c_int,
+        live: *const RawPlannedHooks,
         out: *mut *mut C_tensor,
         cap: usize,
         n_out: *mut usize,
+    ) -> c_int;
+    fn rg_node_call_new_tensor_pre_hooks(
+        node: *mut RawNode,
+        planned: *const RawPlannedHooks,
+        values: *const *const C_tensor,
+        count: usize,
+        out: *mut *mut C_tensor,
     ) -> c_int;
     fn rg_node_apply_lifted(
         node: *mut RawNode,
@@ -184,7 +191,7 @@ extern "C" {
         n_out: *mut usize,
     ) -> c_int;
     fn rg_node_type_not_liftable(node: *mut RawNode) -> c_int;
-    fn rg_node_accumulate(node: *mut RawNode, grad: *mut C_tensor) -> c_int;
+    fn rg_node_accumulate(node: *mut RawNode, grad: *mut C_tensor, planned: *const RawPlannedHooks) -> c_int;
     fn rg_validate_root_grads(
         nodes: *const *mut RawNode,
         input_nrs: *const u32,
@@ -281,6 +288,46 @@ pub enum HookKind {
     Pre = 1,
     Post = 2,
     RetainsGrad = 3,
+}
+
+/// The hooks a node had when it was planned, which the replay calls around it: running the
+/// node for real with these ([`apply_node`]'s `live`), the shim calls the ones it has beyond
+/// them as the engine would (hooks registered since by an earlier hook of the backward).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PlannedHooks {
+    pub tensor_pre: u32,
+    pub pre: u32,
+    pub post: u32,
+    /// The outputs whose retains_grad hooks were planned.
+    pub retains_grad: Vec<u32>,
+    /// The new tensor pre-hooks and retains_grad hooks were called already
+    /// ([`call_new_tensor_pre_hooks`]).
+    pub tensor_pre_done: bool,
+}
+
+impl PlannedHooks {
+    /// The shim's view, borrowing `retains_grad`.
+    fn raw(&self) -> RawPlannedHooks {
+        RawPlannedHooks {
+            tensor_pre: self.tensor_pre as usize,
+            pre: self.pre as usize,
+            post: self.post as usize,
+            retains_grad: self.retains_grad.as_ptr(),
+            n_retains_grad: self.retains_grad.len(),
+            tensor_pre_done: c_int::from(self.tensor_pre_done),
+        }
+    }
+}
+
+/// `rg_planned_hooks`.
+#[repr(C)]
+struct RawPlannedHooks {
+    tensor_pre: usize,
+    pre: usize,
+    post: usize,
+    retains_grad: *const u32,
+    n_retains_grad: usize,
+    tensor_pre_done: c_int,
 }
 
 /// An owned strong reference to a `torch::autograd::Node` (an `intrusive_ptr` count).
@@ -576,20 +623,27 @@ fn node_outputs(
 }
 
 /// Runs `node(inputs)` like the engine's call_function (grad mode off, validate_outputs),
-/// with `saved[i]` swapped into `svs[i]` for the call. Returns one entry per next edge.
+/// with `saved[i]` swapped into `svs[i]` for the call. With `live` (the node runs for real,
+/// not traced), the hooks it has beyond those are called around it. Returns one entry per
+/// next edge.
 pub fn apply_node(
     node: &NodeRef,
     num_outputs: u32,
     inputs: &[Option<Tensor>],
     svs: &[*const RawSavedVariable],
     saved: &[Option<Tensor>],
-    as_itself: bool,
+    live: Option<&PlannedHooks>,
 ) -> Result<Vec<Option<Tensor>>, ShimError> {
     debug_assert_eq!(svs.len(), saved.len());
     let input_ptrs = tensor_ptrs(inputs);
     let saved_ptrs = tensor_ptrs(saved);
+    let live = live.map(PlannedHooks::raw);
+    let live_ptr = live
+        .as_ref()
+        .map_or(ptr::null(), |raw| raw as *const RawPlannedHooks);
     node_outputs(num_outputs, |out, cap, n_out| {
-        // SAFETY: pointer arrays are valid for their lengths; svs point into the live node.
+        // SAFETY: pointer arrays are valid for their lengths; svs point into the live node;
+        // `live` (and the retains_grad outputs it points at) outlives the call.
         unsafe {
             rg_node_apply(
                 node.as_ptr(),
@@ -598,7 +652,7 @@ pub fn apply_node(
                 svs.as_ptr(),
                 saved_ptrs.as_ptr(),
                 saved_ptrs.len(),
-                c_int::from(as_itself),
+                live_ptr,
                 out,
                 cap,
                 n_out,
@@ -644,12 +698,14 @@ pub fn mark_type_not_liftable(node: &NodeRef) -> Result<(), ShimError> {
     check(unsafe { rg_node_type_not_liftable(node.as_ptr()) })
 }
 
-/// Runs an AccumulateGrad node on `grad`, handing it over so that the node can steal it.
-pub fn accumulate(node: &NodeRef, mut grad: Option<Tensor>) -> Result<(), ShimError> {
+/// Runs an AccumulateGrad node on `grad`, handing it over so that the node can steal it, and
+/// the hooks it has beyond `planned` around it.
+pub fn accumulate(node: &NodeRef, mut grad: Option<Tensor>, planned: &PlannedHooks) -> Result<(), ShimError> {
     let raw = grad.as_mut().map_or(ptr::null_mut(), |t| t.as_mut_ptr());
+    let planned = planned.raw();
     // SAFETY: `raw` is null or the live handle of `grad`, which the shim moves from and
-    // which is dropped (empty) afterwards.
-    let status = unsafe { rg_node_accumulate(node.as_ptr(), raw) };
+    // which is dropped (empty) afterwards; `planned` points into a value that outlives the call.
+    let status = unsafe { rg_node_accumulate(node.as_ptr(), raw, &planned) };
     drop(grad);
     check(status)
 }
@@ -670,6 +726,31 @@ pub fn call_pre_hook(
             node.as_ptr(),
             kind as c_int,
             i,
+            ptrs.as_ptr(),
+            ptrs.len(),
+            out.as_mut_ptr(),
+        )
+    };
+    let result = take_tensors(out);
+    check(status)?;
+    Ok(result)
+}
+
+/// Calls the tensor pre-hooks and retains_grad hooks `node` has beyond `planned` on
+/// `values`, as the engine does before the node's pre-hooks.
+pub fn call_new_tensor_pre_hooks(
+    node: &NodeRef,
+    planned: &PlannedHooks,
+    values: &[Option<Tensor>],
+) -> Result<Vec<Option<Tensor>>, ShimError> {
+    let ptrs = tensor_ptrs(values);
+    let mut out: Vec<*mut C_tensor> = vec![ptr::null_mut(); ptrs.len()];
+    let planned = planned.raw();
+    // SAFETY: both arrays hold values.len() entries; `planned` outlives the call.
+    let status = unsafe {
+        rg_node_call_new_tensor_pre_hooks(
+            node.as_ptr(),
+            &planned,
             ptrs.as_ptr(),
             ptrs.len(),
             out.as_mut_ptr(),

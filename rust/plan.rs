@@ -2,11 +2,13 @@
 //! call, plus the operations a replay performs on the live graph (run a step's node with
 //! given saved values, run a C++ hook, run deferred effects, release saved variables).
 
+use std::sync::Mutex;
+
 use pyo3::prelude::*;
 use tch::Tensor;
 
 use crate::errors::{ErrorKind, ShimError};
-use crate::ffi::{self, HookKind, NodeRef};
+use crate::ffi::{self, HookKind, NodeRef, PlannedHooks};
 use crate::graph::{snapshot, Snapshot};
 use crate::layout::{layout, HookRef, Layout, StepMode};
 use crate::order::{schedule, ExecInfo, Schedule};
@@ -15,6 +17,9 @@ pub struct Plan {
     pub snapshot: Snapshot,
     pub schedule: Schedule,
     pub layout: Layout,
+    /// Steps whose nodes' new tensor pre-hooks were called before their planned pre-hooks
+    /// (see [`Plan::call_new_tensor_pre_hooks`]).
+    tensor_pre_done: Mutex<Vec<u32>>,
 }
 
 /// Something the replay hands back for the plan to do to the live graph right after it.
@@ -53,6 +58,7 @@ impl Plan {
             snapshot,
             schedule,
             layout,
+            tensor_pre_done: Mutex::default(),
         })
     }
 
@@ -98,14 +104,16 @@ impl Plan {
     }
 
     /// Runs the step's node on `inputs`. With `saved`, the step's saved values are replaced
-    /// by these for the call (a traced step); without, the node runs as itself, with its
-    /// own (opaque steps, AccumulateGrad), and post hooks it gets while it runs are called
-    /// as the engine calls them (see cpp_shim/shim.h, rg_node_apply).
+    /// by these for the call; without, the node runs with its own. `live`: it runs for real
+    /// (not traced: an opaque step, AccumulateGrad's node, or any step of an uncompiled
+    /// replay), and the hooks it got since it was planned are called around it as the engine
+    /// calls them (see cpp_shim/shim.h, rg_node_apply).
     pub fn apply(
         &self,
         step: u32,
         inputs: &[Option<Tensor>],
         saved: Option<&[Option<Tensor>]>,
+        live: bool,
     ) -> Result<Vec<Option<Tensor>>, ShimError> {
         let s = self.check_step(step)?;
         let node = self.node(step)?;
@@ -124,7 +132,58 @@ impl Plan {
             }
             None => (&[], &[]),
         };
-        ffi::apply_node(node, num_outputs, inputs, svs, values, saved.is_none())
+        let planned = live.then(|| self.planned_hooks(s));
+        ffi::apply_node(node, num_outputs, inputs, svs, values, planned.as_ref())
+    }
+
+    /// Runs the step's AccumulateGrad on `grad` (see [`ffi::accumulate`]).
+    pub fn accumulate(&self, step: u32, grad: Option<Tensor>) -> Result<(), ShimError> {
+        let s = self.check_step(step)?;
+        ffi::accumulate(self.node(step)?, grad, &self.planned_hooks(s))
+    }
+
+    /// Calls the tensor pre-hooks and retains_grad hooks the step's node got since it was
+    /// planned on `values`, before the replay calls the step's planned pre-hooks (the
+    /// engine calls all tensor pre-hooks first); the node then does not call them again.
+    /// None if they were called already.
+    pub fn call_new_tensor_pre_hooks(
+        &self,
+        step: u32,
+        values: &[Option<Tensor>],
+    ) -> Result<Option<Vec<Option<Tensor>>>, ShimError> {
+        let s = self.check_step(step)?;
+        let planned = self.planned_hooks(s);
+        if planned.tensor_pre_done {
+            return Ok(None);
+        }
+        let out = ffi::call_new_tensor_pre_hooks(self.node(step)?, &planned, values)?;
+        self.done_steps().push(step);
+        Ok(Some(out))
+    }
+
+    fn done_steps(&self) -> std::sync::MutexGuard<'_, Vec<u32>> {
+        // A panic while it was held left a list of step numbers, still valid.
+        self.tensor_pre_done
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The hooks step `s`'s node had when it was planned.
+    fn planned_hooks(&self, s: usize) -> PlannedHooks {
+        let counts = self.snapshot.graph.nodes[self.schedule.steps[s] as usize].hooks;
+        let range = &self.layout.steps[s].hooks;
+        let hooks = &self.layout.hooks[range.start as usize..range.end as usize];
+        PlannedHooks {
+            tensor_pre: counts.tensor_pre,
+            pre: counts.pre,
+            post: counts.post,
+            retains_grad: hooks
+                .iter()
+                .filter(|h| h.kind == HookKind::RetainsGrad)
+                .map(|h| h.index)
+                .collect(),
+            tensor_pre_done: self.done_steps().contains(&(s as u32)),
+        }
     }
 
     /// Runs a traced step's node with its saved values and lifted sizes replaced by
@@ -223,9 +282,7 @@ impl Plan {
             let i = range.start + i;
             let value = values(i)?;
             match effect {
-                Deferred::Accumulate { step } => {
-                    ffi::accumulate(self.node(step)?, value)?;
-                }
+                Deferred::Accumulate { step } => self.accumulate(step, value)?,
                 Deferred::RetainGrad { step, hook } => {
                     let output = self.hook(step, hook)?.index as usize;
                     let s = step as usize;

@@ -364,8 +364,9 @@ impl PyPlan {
 
     /// Runs a step's node with `saved` swapped in (or its own saved values when None) and,
     /// given `sizes`, its lifted sizes replaced by them (ints or torch.SymInts, see
-    /// `size_ranges`).
-    #[pyo3(signature = (step, inputs, saved=None, sizes=None))]
+    /// `size_ranges`). `live`: the node runs for real, and hooks it got since it was planned
+    /// are called around it, as the engine calls them (not with `sizes`: a traced run).
+    #[pyo3(signature = (step, inputs, saved=None, sizes=None, live=false))]
     fn apply<'py>(
         &self,
         py: Python<'py>,
@@ -373,15 +374,38 @@ impl PyPlan {
         inputs: &Bound<'py, PyAny>,
         saved: Option<&Bound<'py, PyAny>>,
         sizes: Option<&Bound<'py, PyAny>>,
+        live: bool,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let inputs = to_tensors(inputs, "gradient")?;
         let saved = saved.map(|s| to_tensors(s, "saved value")).transpose()?;
         let out = match (sizes, saved.as_deref()) {
+            (Some(_), _) if live => {
+                return Err(PyValueError::new_err(
+                    "live hooks are for nodes run for real, not with sizes",
+                ))
+            }
             (Some(sizes), Some(saved)) => self.plan.apply_lifted(step, &inputs, saved, sizes)?,
             (Some(_), None) => return Err(PyValueError::new_err("sizes are given only with saved values")),
-            (None, saved) => self.plan.apply(step, &inputs, saved)?,
+            (None, saved) => self.plan.apply(step, &inputs, saved, live)?,
         };
         to_py_tuple(py, out)
+    }
+
+    /// Calls the tensor pre-hooks and retains_grad hooks the step's node got since the call
+    /// was planned on `values` (what the engine calls before the node's pre-hooks, which the
+    /// replay is about to call); the node does not call them again when it runs. `values`
+    /// as they are where they were called already.
+    fn new_tensor_pre_hooks<'py>(
+        &self,
+        py: Python<'py>,
+        step: u32,
+        values: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let tensors = to_tensors(values, "gradient")?;
+        match self.plan.call_new_tensor_pre_hooks(step, &tensors)? {
+            Some(out) => Ok(to_py_tuple(py, out)?.into_any()),
+            None => Ok(values.clone()),
+        }
     }
 
     /// From now on, nodes of the type of this step's node keep their sizes in the key (its
@@ -434,7 +458,7 @@ impl PyPlan {
         if take {
             inputs.del_item(0)?;
         }
-        Ok(ffi::accumulate(self.plan.node(step)?, grad)?)
+        Ok(self.plan.accumulate(step, grad)?)
     }
 
     /// Runs hook `position` of a step through the engine's hook interface.

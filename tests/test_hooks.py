@@ -560,7 +560,7 @@ def test_traced_hook_failing_on_the_traced_values_raises_as_in_eager(compiler):
 
 
 def _add_tensor_hook(x, h, out, log):
-    out.register_hook(lambda g: h.register_hook(lambda g: log.append(("late",)) or g * 10))
+    out.register_hook(lambda g: h.register_hook(lambda g: log.append(("late",)) or g * 10) and None)
 
 
 def _remove_tensor_hook(x, h, out, log):
@@ -583,21 +583,43 @@ def _add_post_accumulate_grad_hook(x, h, out, log):
     )
 
 
-_HOOKS_SNAPSHOTTED = pytest.mark.xfail(
-    strict=True,
-    reason="the plan takes each node's hook lists before the replay runs: a hook that an "
-    "earlier hook registers on a node with no hook of that kind yet is not run; the engine "
-    "reads the hook lists when it reaches the node (hook dicts are read live, so added "
-    "callables of an existing hook run and removed ones do not)",
-)
+def _add_node_post_hook(x, h, out, log):
+    out.register_hook(
+        lambda g: (
+            h.grad_fn.register_hook(lambda gi, go: log.append(("post", summary(gi[0])))) and None
+        )
+    )
+
+
+def _retain_grad(x, h, out, log):
+    out.register_hook(lambda g: h.retain_grad())
+
+
+def _add_leaf_hook(x, h, out, log):
+    out.register_hook(
+        lambda g: x.register_hook(lambda g: log.append(("leaf", summary(g))) or g * 10) and None
+    )
+
+
+def _add_accumulate_grad_post_hook(x, h, out, log):
+    node = torch.autograd.graph.get_gradient_edge(x).node
+    out.register_hook(
+        lambda g: (
+            node.register_hook(lambda gi, go: log.append(("acc post", summary(go[0])))) and None
+        )
+    )
 
 
 @pytest.mark.parametrize(
     "change",
     [
-        pytest.param(_add_tensor_hook, marks=_HOOKS_SNAPSHOTTED),
+        _add_tensor_hook,
         _remove_tensor_hook,
-        pytest.param(_add_node_pre_hook, marks=_HOOKS_SNAPSHOTTED),
+        _add_node_pre_hook,
+        _add_node_post_hook,
+        _retain_grad,
+        _add_leaf_hook,
+        _add_accumulate_grad_post_hook,
         _add_post_accumulate_grad_hook,
     ],
 )
@@ -610,9 +632,87 @@ def test_hooks_added_or_removed_during_backward(change):
         out = h.exp()
         change(x, h, out, log)
         backward(out.sum())
+        return log, [*grads_of([x]), h.grad if h.retains_grad else None]
+
+    compare(run, None)
+
+
+def test_tensor_hook_added_during_backward_runs_before_the_nodes_pre_hooks():
+    # The engine calls a node's tensor pre-hooks, new ones included, before its pre-hooks:
+    # here the pre-hook scales the gradient in place, and the new tensor hook sees it unscaled.
+    def run(backward):
+        torch.manual_seed(0)
+        log = []
+        x = torch.randn(3, requires_grad=True)
+        h = x * 2
+        out = h.exp()
+
+        def scale(grad_outputs):
+            log.append(("pre", summary(grad_outputs[0])))
+            grad_outputs[0].mul_(0.5)
+
+        h.grad_fn.register_prehook(scale)
+        h.grad_fn.register_hook(lambda gi, go: log.append(("post", summary(gi[0]))))
+        out.register_hook(
+            lambda g: h.register_hook(lambda g: log.append(("late", summary(g)))) and None
+        )
+        backward(out.sum())
         return log, grads_of([x])
 
     compare(run, None)
+
+
+class _Doubled(torch.autograd.Function):
+    """A custom Function without ``is_traceable``: its node runs as itself (a graph break)."""
+
+    @staticmethod
+    def forward(ctx, a):
+        return a * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+@pytest.mark.parametrize(
+    "change",
+    [_add_tensor_hook, _add_node_pre_hook, _add_node_post_hook, _add_leaf_hook],
+)
+def test_hooks_added_during_backward_to_a_node_that_runs_as_itself(compiler, change):
+    # A node run for real calls the hooks it got since the call was planned, also in a
+    # compiled replay: a node that runs as itself, and a leaf's AccumulateGrad.
+    def run(backward):
+        torch.manual_seed(0)
+        log = []
+        x = torch.randn(3, requires_grad=True)
+        h = _Doubled.apply(x)
+        out = h.exp()
+        change(x, h, out, log)
+        backward(out.sum())
+        return log, grads_of([x])
+
+    compare(run, compiler)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="a traced step of a compiled replay calls the hooks its node had when the call was "
+    "planned: one registered on it by an earlier hook of the same backward is not called",
+)
+def test_hook_added_during_backward_to_a_traced_node_when_compiled():
+    def run(backward):
+        torch.manual_seed(0)
+        log = []
+        x = torch.randn(3, requires_grad=True)
+        h = x * 2
+        out = h.exp()
+        _add_node_pre_hook(x, h, out, log)
+        backward(out.sum())
+        return log, grads_of([x])
+
+    compare(run, "aot_eager")
 
 
 @pytest.mark.parametrize(

@@ -66,7 +66,11 @@ class Plan:
         inputs: Sequence[torch.Tensor | None],
         saved: Sequence[torch.Tensor | None] | None = None,
         sizes: Sequence[int | torch.SymInt] | None = None,
+        live: bool = False,
     ) -> tuple[torch.Tensor | None, ...]: ...
+    def new_tensor_pre_hooks(
+        self, step: int, values: Sequence[torch.Tensor | None]
+    ) -> Sequence[torch.Tensor | None]: ...
     def accumulate(self, step: int, inputs: list[torch.Tensor | None], take: bool) -> None: ...
     def call_hook(
         self,

@@ -188,11 +188,11 @@ def apply_traced(step: int, inputs: list, saved: list, sizes: list | None = None
             # objects (ctx.saved_tensors), as in eager: not the replay's detached values.
             run.current = plan_step
             try:
-                outputs = run.plan.apply(plan_step, inputs)
+                outputs = run.plan.apply(plan_step, inputs, live=True)
             finally:
                 run.current = None
         else:
-            outputs = run.plan.apply(plan_step, inputs, saved)
+            outputs = run.plan.apply(plan_step, inputs, saved, live=True)
     except Exception as error:
         if not isinstance(error, _TRACING_LIMITS):
             error.__replaygrad_node_error__ = True  # type: ignore[attr-defined]
@@ -230,7 +230,7 @@ def apply_uncompiled(step: int, inputs: list, saved: list, sizes: list | None = 
     if plan.kind(plan_step) == "python_function":
         return apply_traced(step, inputs, saved, sizes)
     try:
-        return plan.apply(plan_step, inputs, saved)
+        return plan.apply(plan_step, inputs, saved, live=True)
     except Exception as error:
         error.__replaygrad_node_error__ = True  # type: ignore[attr-defined]
         raise
@@ -478,7 +478,7 @@ def _check_saved(step: int, own: bool) -> None:
 def apply_opaque(deferred: list, step: int, inputs: list) -> tuple:
     """An opaque step: a graph break that runs the current graph's node as itself."""
     with _outside_graph(deferred, step) as plan_step:
-        outputs = current_plan().apply(plan_step, inputs)
+        outputs = current_plan().apply(plan_step, inputs, live=True)
     _check_saved(plan_step, own=False)
     return outputs
 
@@ -537,6 +537,18 @@ def cpp_pre_hook(deferred: list, step: int, position: int, values: list) -> list
     """A C++ pre-kind hook (no Python dict to trace): a graph break through the engine API."""
     with _outside_graph(deferred, step) as plan_step:
         values = list(current_plan().call_hook(plan_step, position, values))
+    _check_saved(plan_step, own=True)
+    return values
+
+
+@torch._dynamo.disable
+def new_tensor_pre_hooks(deferred: list, step: int, values: list) -> list:
+    """Before a step's planned pre-hooks: the tensor pre-hooks and retains_grad hooks its
+    node got since the call was planned (registered by an earlier hook of this backward),
+    which the engine calls before the pre-hooks. (Without planned pre-hooks the node calls
+    them itself when it runs, see ``Plan.apply``.)"""
+    with _outside_graph(deferred, step) as plan_step:
+        values = list(current_plan().new_tensor_pre_hooks(plan_step, values))
     _check_saved(plan_step, own=True)
     return values
 
@@ -840,6 +852,7 @@ _RUNTIME = {
     "unpack_saved": unpack_saved,
     "cpp_pre_hook": cpp_pre_hook,
     "cpp_post_hook": cpp_post_hook,
+    "new_tensor_pre_hooks": new_tensor_pre_hooks,
     "tensor_pre_hook": tensor_pre_hook,
     "pre_hook": pre_hook,
     "post_hook": post_hook,
@@ -1173,8 +1186,14 @@ def _region_source(
         # engine.cpp call_function: tensor pre-hooks and retains_grad hooks, pre-hooks,
         # apply (with validate_outputs), post-hooks.
         post = []
+        # Outside the graph, the tensor pre-hooks the node got since the call was planned
+        # run where the engine runs them, before its pre-hooks (see new_tensor_pre_hooks).
+        first_pre = where == "_outside" and "pre" in (hook[0] for hook in hooks)
         for pos, (hook_kind, index, python, value_idx) in enumerate(hooks):
             h = hook - hook_base
+            if hook_kind == "pre" and first_pre:
+                body.append(f"i = new_tensor_pre_hooks(deferred, {k}, i)")
+                first_pre = False
             if hook_kind == "post":
                 post.append((pos, python, h if python else None))
                 hook += python
