@@ -1592,6 +1592,20 @@ static variable_list call_new_post_hooks(Node& node, const rg_planned_hooks& pla
   return outputs;
 }
 
+rg_status rg_node_has_new_hooks(rg_node* n, const rg_planned_hooks* planned, int* out) {
+  RG_TRY
+  Node& node = *as_node(n);
+  const uint32_t* watched = planned->retains_grad;
+  const uint32_t* watched_end = watched + planned->n_retains_grad;
+  bool found = node.tensor_pre_hooks().size() > planned->tensor_pre ||
+               node.pre_hooks().size() > planned->pre || node.post_hooks().size() > planned->post;
+  for (const auto& entry : node.retains_grad_hooks()) {
+    found = found || std::find(watched, watched_end, entry.first) == watched_end;
+  }
+  *out = found ? 1 : 0;
+  RG_CATCH
+}
+
 rg_status rg_node_call_new_tensor_pre_hooks(rg_node* n, const rg_planned_hooks* planned,
                                             const rg_tensor* const* values, size_t count,
                                             rg_tensor** out) {

@@ -200,6 +200,8 @@ rg_status rg_node_apply(rg_node* node, const rg_tensor* const* inputs, size_t n_
                         const rg_sv* const* svs, const rg_tensor* const* saved, size_t n_saved,
                         const rg_planned_hooks* live, rg_tensor** out, size_t cap,
                         size_t* n_out);
+// *out = 1 if the node has hooks beyond `planned` (registered since it was planned), else 0.
+rg_status rg_node_has_new_hooks(rg_node* node, const rg_planned_hooks* planned, int* out);
 // Calls the tensor pre-hooks and retains_grad hooks the node has beyond `planned` on
 // `count` values, writing `count` results: what the engine calls before the node's pre-hooks,
 // for a node whose planned pre-hooks the replay is about to call.

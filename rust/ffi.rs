@@ -172,6 +172,7 @@ extern "C" {
         cap: usize,
         n_out: *mut usize,
     ) -> c_int;
+    fn rg_node_has_new_hooks(node: *mut RawNode, planned: *const RawPlannedHooks, out: *mut c_int) -> c_int;
     fn rg_node_call_new_tensor_pre_hooks(
         node: *mut RawNode,
         planned: *const RawPlannedHooks,
@@ -734,6 +735,15 @@ pub fn call_pre_hook(
     let result = take_tensors(out);
     check(status)?;
     Ok(result)
+}
+
+/// Whether `node` has hooks beyond `planned` (registered since it was planned).
+pub fn has_new_hooks(node: &NodeRef, planned: &PlannedHooks) -> Result<bool, ShimError> {
+    let planned = planned.raw();
+    let mut out: c_int = 0;
+    // SAFETY: `planned` and `out` outlive the call.
+    check(unsafe { rg_node_has_new_hooks(node.as_ptr(), &planned, &mut out) })?;
+    Ok(out != 0)
 }
 
 /// Calls the tensor pre-hooks and retains_grad hooks `node` has beyond `planned` on

@@ -142,6 +142,13 @@ impl Plan {
         ffi::accumulate(self.node(step)?, grad, &self.planned_hooks(s))
     }
 
+    /// Whether the step's node got hooks since it was planned (registered by an earlier
+    /// hook of this backward).
+    pub fn has_new_hooks(&self, step: u32) -> Result<bool, ShimError> {
+        let s = self.check_step(step)?;
+        ffi::has_new_hooks(self.node(step)?, &self.planned_hooks(s))
+    }
+
     /// Calls the tensor pre-hooks and retains_grad hooks the step's node got since it was
     /// planned on `values`, before the replay calls the step's planned pre-hooks (the
     /// engine calls all tensor pre-hooks first); the node then does not call them again.

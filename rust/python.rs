@@ -391,6 +391,12 @@ impl PyPlan {
         to_py_tuple(py, out)
     }
 
+    /// Whether the step's node got hooks since the call was planned (registered by an
+    /// earlier hook of this backward), which `apply(..., live=True)` calls around it.
+    fn has_new_hooks(&self, step: u32) -> PyResult<bool> {
+        Ok(self.plan.has_new_hooks(step)?)
+    }
+
     /// Calls the tensor pre-hooks and retains_grad hooks the step's node got since the call
     /// was planned on `values` (what the engine calls before the node's pre-hooks, which the
     /// replay is about to call); the node does not call them again when it runs. `values`

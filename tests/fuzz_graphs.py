@@ -1253,7 +1253,14 @@ def _op_hook_edits_hooks(b, i, j, action):
 
 def _gen_hook_edits_hooks(draw, state):
     i = _pick(draw, state, _requires_grad)
-    j = _pick(draw, state, _requires_grad)
+    if i is None:
+        return None
+    # Not on another output of i's node (a hook registered on a node while the engine
+    # iterates that node's hook list: see README, Known limitations).
+    node = state.env[i].grad_fn
+    j = _pick(draw, state, lambda t: t.requires_grad and (node is None or t.grad_fn is not node))
+    if j is None:
+        return None
     return (i, j, draw(st.sampled_from(("add", "remove")))), []
 
 

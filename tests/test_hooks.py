@@ -662,6 +662,49 @@ def test_tensor_hook_added_during_backward_runs_before_the_nodes_pre_hooks():
     compare(run, None)
 
 
+def test_hook_added_during_backward_sees_what_the_engine_did_before():
+    # Added on h by a hook of a node before it, the hook runs after w's accumulation (its
+    # nodes come between) and while h's node is the current one, as in eager.
+    def run(backward):
+        torch.manual_seed(0)
+        log = []
+        x = torch.randn(3, requires_grad=True)
+        w = torch.randn(3, requires_grad=True)
+        h = x * 2
+        w_term = (w * 3).sum()
+        out = h.exp()
+
+        def late(g):
+            current = torch._C._current_autograd_node()
+            log.append(("late", summary(w.grad), current is h.grad_fn))
+
+        out.register_hook(lambda g: h.register_hook(late) and None)
+        backward(w_term + out.sum())
+        return log, grads_of([x, w])
+
+    compare(run, None)
+
+
+def test_tensor_hook_added_during_backward_on_an_input_of_grad():
+    # autograd.grad with respect to h: h's node is not run, but the engine calls its tensor
+    # pre-hooks, the one added during the backward too, before it captures the gradient.
+    def run(grad):
+        torch.manual_seed(0)
+        log = []
+        x = torch.randn(3, requires_grad=True)
+        h = x * 2
+        out = h.exp()
+        out.register_hook(
+            lambda g: h.register_hook(lambda g: log.append(("late", summary(g))) or g * 10) and None
+        )
+        return log, grad(out.sum(), [h])
+
+    expected = run(torch.autograd.grad)
+    got = run(lambda *args: replaygrad.grad(*args, compiler=None))
+    assert_same(tuple(expected[0]), tuple(got[0]), True, "log")
+    assert_same(tuple(expected[1]), tuple(got[1]), True, "grads")
+
+
 class _Doubled(torch.autograd.Function):
     """A custom Function without ``is_traceable``: its node runs as itself (a graph break)."""
 

@@ -230,10 +230,17 @@ def apply_uncompiled(step: int, inputs: list, saved: list, sizes: list | None = 
     if plan.kind(plan_step) == "python_function":
         return apply_traced(step, inputs, saved, sizes)
     try:
-        return plan.apply(plan_step, inputs, saved, live=True)
+        if not plan.has_new_hooks(plan_step):
+            return plan.apply(plan_step, inputs, saved, live=True)
+        # Hooks registered on the node during this backward run with it: code outside the
+        # graph, which sees what the engine did before (accumulations, the current node).
+        with _outside_graph(_running().local, step):
+            outputs = plan.apply(plan_step, inputs, saved, live=True)
     except Exception as error:
         error.__replaygrad_node_error__ = True  # type: ignore[attr-defined]
         raise
+    _check_saved(plan_step, own=False)
+    return outputs
 
 
 def _apply(
@@ -541,15 +548,27 @@ def cpp_pre_hook(deferred: list, step: int, position: int, values: list) -> list
     return values
 
 
-@torch._dynamo.disable
 def new_tensor_pre_hooks(deferred: list, step: int, values: list) -> list:
-    """Before a step's planned pre-hooks: the tensor pre-hooks and retains_grad hooks its
-    node got since the call was planned (registered by an earlier hook of this backward),
-    which the engine calls before the pre-hooks. (Without planned pre-hooks the node calls
-    them itself when it runs, see ``Plan.apply``.)"""
+    """Before a step's planned pre-hooks, or the captures of a step that is not needed: the
+    tensor pre-hooks and retains_grad hooks its node got since the call was planned
+    (registered by an earlier hook of this backward), which the engine calls there. (A node
+    that runs calls them itself when it has no planned pre-hooks, see ``Plan.apply``.)
+    Uncompiled replays only (see :func:`build`): in compiled ones a traced step calls the
+    hooks its node had when the call was planned."""
+    plan = current_plan()
+    plan_step = _step(step)
+    if not plan.has_new_hooks(plan_step):
+        # None to call, but the tensor pre-hooks are over for this node: one a pre-hook of
+        # its registers is not called when the node runs (the engine's are over too).
+        return list(plan.new_tensor_pre_hooks(plan_step, values))
     with _outside_graph(deferred, step) as plan_step:
-        values = list(current_plan().new_tensor_pre_hooks(plan_step, values))
+        values = list(plan.new_tensor_pre_hooks(plan_step, values))
     _check_saved(plan_step, own=True)
+    return values
+
+
+def _no_new_tensor_pre_hooks(deferred: list, step: int, values: list) -> list:
+    """:func:`new_tensor_pre_hooks` in compiled replays."""
     return values
 
 
@@ -852,7 +871,7 @@ _RUNTIME = {
     "unpack_saved": unpack_saved,
     "cpp_pre_hook": cpp_pre_hook,
     "cpp_post_hook": cpp_post_hook,
-    "new_tensor_pre_hooks": new_tensor_pre_hooks,
+    "new_tensor_pre_hooks": _no_new_tensor_pre_hooks,
     "tensor_pre_hook": tensor_pre_hook,
     "pre_hook": pre_hook,
     "post_hook": post_hook,
@@ -1249,6 +1268,8 @@ def _region_source(
             body.append("deferred.append(i[0])")
         elif mode == "skipped":
             # Not needed: popped only to run its tensor pre-hooks and take its captures.
+            if where == "_outside":
+                body.append(f"i = new_tensor_pre_hooks(deferred, {k}, i)")
             body.extend(capture_lines)
         else:
             raise AssertionError(f"unknown step mode {mode!r}")
@@ -1354,7 +1375,8 @@ def build(
 ) -> Replay:
     """Generates the replay of ``plan``, each region's function compiled by
     ``compile_region(region, fn)``. ``uncompiled``: the regions run as Python (no compiler
-    traces them): their steps run as :func:`apply_uncompiled`, and they sum gradients in
+    traces them): their steps run as :func:`apply_uncompiled`, they call the hooks nodes got
+    during the backward (:func:`new_tensor_pre_hooks`), and they sum gradients in
     place where the engine would (``_core.buffer_sum``; :func:`buffer_sum`, which compilers
     trace, always makes new sums)."""
     steps = plan.steps()
@@ -1363,7 +1385,12 @@ def build(
     namespace: dict[str, Any] = {"at": at, "buffer_sum": buffer_sum}
     runtime = _RUNTIME
     if uncompiled:
-        runtime = {**_RUNTIME, "apply_traced": apply_uncompiled, "buffer_sum": _core.buffer_sum}
+        runtime = {
+            **_RUNTIME,
+            "apply_traced": apply_uncompiled,
+            "buffer_sum": _core.buffer_sum,
+            "new_tensor_pre_hooks": new_tensor_pre_hooks,
+        }
     for r, g in enumerate(found):
         scope: dict[str, Any] = dict(runtime)
         exec(compile(g.source, f"<replaygrad region {g.key[:12]}>", "exec"), scope)
