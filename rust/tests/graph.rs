@@ -72,7 +72,7 @@ fn run(plan: &Plan, root_grads: Vec<Tensor>, swap_saved: bool) -> Vec<(u32, Tens
             .map(|i| plan.layout.values.value(i as usize).expect("saved value"))
             .collect();
         let out = plan
-            .apply(s, &inputs, swap_saved.then_some(&saved[..]))
+            .apply(s, &inputs, swap_saved.then_some(&saved[..]), true)
             .expect("apply");
         outputs.push(out);
     }
@@ -119,6 +119,7 @@ fn swapped_saved_values_are_used_and_then_restored() {
             mul,
             &[Some(ones.shallow_clone())],
             Some(&[Some(ten.shallow_clone()), Some(hundred.shallow_clone())]),
+            false,
         )
         .unwrap();
     let grads: Vec<Tensor> = out.into_iter().map(|g| g.unwrap()).collect();
@@ -316,7 +317,7 @@ fn bad_step_numbers_are_errors_not_crashes() {
     let x = leaf(&[1.0]);
     let y = x.exp().sum(Kind::Float);
     let plan = plan_of(&[&y]);
-    let err = plan.apply(99, &[], None).expect_err("out of range");
+    let err = plan.apply(99, &[], None, true).expect_err("out of range");
     assert!(matches!(
         err,
         ShimError::Torch {
@@ -324,7 +325,9 @@ fn bad_step_numbers_are_errors_not_crashes() {
             ..
         }
     ));
-    let err = plan.apply(1, &[None], Some(&[])).expect_err("wrong saved count");
+    let err = plan
+        .apply(1, &[None], Some(&[]), false)
+        .expect_err("wrong saved count");
     assert!(matches!(
         err,
         ShimError::Torch {
