@@ -186,6 +186,8 @@ def apply_traced(step: int, inputs: list, saved: list, sizes: list | None = None
         elif function:
             # Run for real, a Python Function's backward gets the tensors it saved, the very
             # objects (ctx.saved_tensors), as in eager: not the replay's detached values.
+            # It is code outside the graph: the call cannot start over after it.
+            run.restartable = False
             run.current = plan_step
             try:
                 outputs = run.plan.apply(plan_step, inputs, live=True)
@@ -225,16 +227,21 @@ def apply_traced(step: int, inputs: list, saved: list, sizes: list | None = None
 def apply_uncompiled(step: int, inputs: list, saved: list, sizes: list | None = None) -> tuple:
     """:func:`apply_traced` in a replay that runs as Python (no compiler traces it): the
     node runs for real with ``saved`` swapped in (its sizes are its own)."""
+    run = _running()
     plan_step = _step(step)
-    plan = current_plan()
+    plan = run.plan
     if plan.kind(plan_step) == "python_function":
         return apply_traced(step, inputs, saved, sizes)
     try:
+        # Only code outside the graph can have registered hooks since the call was planned
+        # (such code makes the call not restartable), and a node of torch's registers none.
+        if run.restartable:
+            return plan.apply(plan_step, inputs, saved)
         if not plan.has_new_hooks(plan_step):
             return plan.apply(plan_step, inputs, saved, live=True)
         # Hooks registered on the node during this backward run with it: code outside the
         # graph, which sees what the engine did before (accumulations, the current node).
-        with _outside_graph(_running().local, step):
+        with _outside_graph(run.local, step):
             outputs = plan.apply(plan_step, inputs, saved, live=True)
     except Exception as error:
         error.__replaygrad_node_error__ = True  # type: ignore[attr-defined]
