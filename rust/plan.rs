@@ -149,6 +149,17 @@ impl Plan {
         ffi::has_new_hooks(self.node(step)?, &self.planned_hooks(s))
     }
 
+    /// The traced steps whose nodes got hooks since they were planned.
+    pub fn traced_steps_with_new_hooks(&self) -> Result<Vec<u32>, ShimError> {
+        let mut out = Vec::new();
+        for (s, step) in self.layout.steps.iter().enumerate() {
+            if step.mode == StepMode::Traced && self.has_new_hooks(s as u32)? {
+                out.push(s as u32);
+            }
+        }
+        Ok(out)
+    }
+
     /// Calls the tensor pre-hooks and retains_grad hooks the step's node got since it was
     /// planned on `values`, before the replay calls the step's planned pre-hooks (the
     /// engine calls all tensor pre-hooks first); the node then does not call them again.

@@ -397,6 +397,12 @@ impl PyPlan {
         Ok(self.plan.has_new_hooks(step)?)
     }
 
+    /// The traced steps whose nodes got hooks since the call was planned (registered during
+    /// the backward, which a compiled replay's traced steps do not call).
+    fn traced_steps_with_new_hooks(&self) -> PyResult<Vec<u32>> {
+        Ok(self.plan.traced_steps_with_new_hooks()?)
+    }
+
     /// Calls the tensor pre-hooks and retains_grad hooks the step's node got since the call
     /// was planned on `values` (what the engine calls before the node's pre-hooks, which the
     /// replay is about to call); the node does not call them again when it runs. `values`

@@ -1307,7 +1307,8 @@ EXCLUDED: dict[str, str] = {}
 COMPILED_EXCLUDED: dict[str, str] = {
     "hook_edits_hooks": (
         "a traced step of a compiled replay calls the hooks its node had when the call was "
-        "planned: test_hooks.py::test_hook_added_during_backward_to_a_traced_node_when_compiled"
+        "planned (later calls run it as itself): "
+        "test_hooks.py::test_hook_added_during_a_compiled_backward_to_a_traced_node"
     ),
     "fn_fail": (
         "an error raised by a traced Function's backward reaches the caller as Dynamo's "

@@ -332,16 +332,19 @@ class ReplayCache:
         self._rebuild(entry, plan, config, hooks_in_graph=False)
 
     def run_as_themselves(
-        self, entry: Entry, plan: _core.Plan, config: Config, steps: set[int]
+        self,
+        entry: Entry,
+        plan: _core.Plan,
+        config: Config,
+        steps: set[int],
+        why: str = "compiling it failed on steps with non-strided (e.g. sparse) tensors or "
+        "that raised while traced",
     ) -> None:
-        """Rebuilds ``entry`` with ``steps`` (traced ones the compiler failed on: they met
-        sparse or other non-strided tensors, or raised on the values being traced) run as
-        themselves, between compiled regions."""
+        """Rebuilds ``entry`` with ``steps`` (traced ones: by default those the compiler failed
+        on, which met sparse or other non-strided tensors, or raised on the values being
+        traced) run as themselves, between compiled regions."""
         recompiles_log.info(
-            "compiling replay %s failed on steps with non-strided (e.g. sparse) tensors or "
-            "that raised while traced; running steps %s as themselves",
-            plan.key,
-            sorted(steps),
+            "replay %s: %s; running steps %s as themselves", plan.key, why, sorted(steps)
         )
         entry.opaque |= steps
         self._rebuild(entry, plan, config)

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from . import _core
 from ._compile import Config, Entry, cache, compile_failed, recompile_limit
@@ -303,6 +304,29 @@ def _call_until_done(
             cache.run_as_themselves(entry, plan, config, steps)
 
 
+def _hooks_registered_during(entry: Entry, plan: _core.Plan, config: Config) -> None:
+    """After a compiled call during which hooks were registered (every hook's handle is a
+    ``RemovableHandle``, numbered in order): a traced step calls the hooks its node had
+    when the call was planned, so one registered on it during the backward was not called
+    if the node had not run yet. Later calls run such steps as themselves: a node run for
+    real calls the hooks it got since the call was planned, as the engine does."""
+    steps = set(plan.traced_steps_with_new_hooks()) - entry.opaque
+    if not steps:
+        return
+    order = plan.order()
+    nodes = ", ".join(f"{order[s]} (step {s})" for s in sorted(steps))
+    log.warning(
+        "replaygrad: hooks were registered during a compiled backward on nodes of its graph "
+        "(%s), which the compiled replay does not call where the node had not run yet; "
+        "later calls with this graph run those nodes as themselves, where they are called as "
+        "in eager (compiler=None calls them in this call too)",
+        nodes,
+    )
+    cache.run_as_themselves(
+        entry, plan, config, steps, "hooks were registered on their nodes during a backward"
+    )
+
+
 def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...] | None:
     plan_log.debug("plan:\n%s", Lazy(lambda: table(plan)))
     grads = plan.root_grads()
@@ -345,6 +369,7 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
     graphs = _graphs_compiled()
     deferred: list[torch.Tensor | None] = []
     run = running(plan, deferred)
+    handles = RemovableHandle.next_id
     try:
         captured = _call(entry, plan, config, (grads, saved, plan.sizes(), hooks), run)
     except BaseException as error:  # KeyboardInterrupt too
@@ -403,6 +428,8 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
     # AccumulateGrad rather than copied, as in the engine.
     plan.run_deferred(deferred)
     entry.calls += 1
+    if config.compiler is not None and RemovableHandle.next_id != handles:
+        _hooks_registered_during(entry, plan, config)
     if entry.replay.hooks_in_graph and not config.fullgraph:
         if hooks and entry.calls > 1 and _graphs_compiled() > graphs:
             cache.move_hooks_outside(
