@@ -1545,6 +1545,12 @@ rg_status rg_collector_values_to_list(const rg_collector* c, PyObject** out) {
   RECORD_FUNCTION(c10::str("autograd::engine::evaluate_function: ", (node).name()),             \
                   c10::ArrayRef<const c10::IValue>())
 
+// Whether the retains_grad hook watching `output` was planned.
+static bool planned_retains_grad(const rg_planned_hooks& planned, size_t output) {
+  const uint32_t* end = planned.retains_grad + planned.n_retains_grad;
+  return std::find(planned.retains_grad, end, output) != end;
+}
+
 // Calls the tensor pre-hooks and retains_grad hooks `node` has beyond `planned`, as
 // call_tensor_pre_hooks does: in list order, after the planned ones, which the replay called
 // already.
@@ -1554,10 +1560,8 @@ static variable_list call_new_tensor_pre_hooks(Node& node, const rg_planned_hook
   for (size_t i = planned.tensor_pre; i < tensor_pre.size(); ++i) {
     inputs = (*tensor_pre[i])(inputs);
   }
-  const uint32_t* watched = planned.retains_grad;
-  const uint32_t* watched_end = watched + planned.n_retains_grad;
   for (const auto& [output, hook] : node.retains_grad_hooks()) {
-    if (std::find(watched, watched_end, output) == watched_end) {
+    if (!planned_retains_grad(planned, output)) {
       inputs = (*hook)(inputs);
     }
   }
@@ -1595,12 +1599,10 @@ static variable_list call_new_post_hooks(Node& node, const rg_planned_hooks& pla
 rg_status rg_node_has_new_hooks(rg_node* n, const rg_planned_hooks* planned, int* out) {
   RG_TRY
   Node& node = *as_node(n);
-  const uint32_t* watched = planned->retains_grad;
-  const uint32_t* watched_end = watched + planned->n_retains_grad;
   bool found = node.tensor_pre_hooks().size() > planned->tensor_pre ||
                node.pre_hooks().size() > planned->pre || node.post_hooks().size() > planned->post;
   for (const auto& entry : node.retains_grad_hooks()) {
-    found = found || std::find(watched, watched_end, entry.first) == watched_end;
+    found = found || !planned_retains_grad(*planned, entry.first);
   }
   *out = found ? 1 : 0;
   RG_CATCH

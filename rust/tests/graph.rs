@@ -338,6 +338,21 @@ fn bad_step_numbers_are_errors_not_crashes() {
 }
 
 #[test]
+fn a_graph_just_planned_has_no_new_hooks() {
+    let x = leaf(&[1.0, 2.0]);
+    let y = (x.exp() * x.sin()).sum(Kind::Float);
+    let plan = plan_of(&[&y]);
+    for s in 0..plan.num_steps() as u32 {
+        assert!(!plan.has_new_hooks(s).expect("live hooks"), "step {s}");
+    }
+    assert!(plan
+        .traced_steps_with_new_hooks()
+        .expect("traced steps")
+        .is_empty());
+    assert!(plan.has_new_hooks(plan.num_steps() as u32).is_err());
+}
+
+#[test]
 fn input_metadata_bytes_are_dtype_device_and_shape() {
     // y = (x * x).sum() over a 2x3 double leaf: SumBackward0's input is the 0-dim root
     // gradient, MulBackward0's the 2x3 product.
