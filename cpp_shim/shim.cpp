@@ -1057,53 +1057,51 @@ rg_status rg_node_is_traceable(rg_node* n, int* out) {
   RG_CATCH
 }
 
-rg_status rg_node_hook_dict(rg_node* n, int kind, size_t i, int* is_python, PyObject** dict,
-                            int64_t* value_idx) {
-  RG_TRY
-  Node& node = *as_node(n);
-  if (dict) {
-    *dict = nullptr;
-  }
+// The dict of callables behind Python hook `i` of `kind` (borrowed), nullptr for a C++ hook;
+// for a tensor pre-hook, *value_idx is the input it watches. Throws on a bad index.
+static PyObject* hook_dict(Node& node, int kind, size_t i, int64_t* value_idx) {
   *value_idx = -1;
-  PyObject* found = nullptr;
   switch (kind) {
     case RG_HOOK_TENSOR_PRE: {
       auto& hooks = node.tensor_pre_hooks();
-      if (i >= hooks.size()) {
-        return fail(RG_KIND_INDEX, "rg_node_hook_dict: tensor pre-hook index out of range");
-      }
+      TORCH_CHECK_INDEX(i < hooks.size(), "rg_node_hook_dict: tensor pre-hook index out of range");
       if (type_is(*hooks[i], kPyTensorPreHook)) {
         auto* h = static_cast<torch::autograd::PyFunctionTensorPreHook*>(hooks[i].get());
-        found = h->dict;
         *value_idx = static_cast<int64_t>(h->value_idx);
+        return h->dict;
       }
-      break;
+      return nullptr;
     }
     case RG_HOOK_PRE: {
       auto& hooks = node.pre_hooks();
-      if (i >= hooks.size()) {
-        return fail(RG_KIND_INDEX, "rg_node_hook_dict: pre-hook index out of range");
-      }
+      TORCH_CHECK_INDEX(i < hooks.size(), "rg_node_hook_dict: pre-hook index out of range");
       if (type_is(*hooks[i], kPyPreHook)) {
-        found = static_cast<torch::autograd::PyFunctionPreHook*>(hooks[i].get())->dict;
+        return static_cast<torch::autograd::PyFunctionPreHook*>(hooks[i].get())->dict;
       }
-      break;
+      return nullptr;
     }
     case RG_HOOK_POST: {
       auto& hooks = node.post_hooks();
-      if (i >= hooks.size()) {
-        return fail(RG_KIND_INDEX, "rg_node_hook_dict: post-hook index out of range");
-      }
+      TORCH_CHECK_INDEX(i < hooks.size(), "rg_node_hook_dict: post-hook index out of range");
       if (type_is(*hooks[i], kPyPostHook)) {
-        found = static_cast<torch::autograd::PyFunctionPostHook*>(hooks[i].get())->dict;
+        return static_cast<torch::autograd::PyFunctionPostHook*>(hooks[i].get())->dict;
       }
-      break;
+      return nullptr;
     }
     case RG_HOOK_RETAINS_GRAD:
-      break; // always C++ (retain_grad())
+      return nullptr; // always C++ (retain_grad())
     default:
-      return fail(RG_KIND_VALUE, "rg_node_hook_dict: unknown hook kind");
+      TORCH_CHECK_VALUE(false, "rg_node_hook_dict: unknown hook kind");
   }
+}
+
+rg_status rg_node_hook_dict(rg_node* n, int kind, size_t i, int* is_python, PyObject** dict,
+                            int64_t* value_idx) {
+  RG_TRY
+  if (dict) {
+    *dict = nullptr;
+  }
+  PyObject* found = hook_dict(*as_node(n), kind, i, value_idx);
   if (is_python) {
     *is_python = found == nullptr ? 0 : (dict_is_empty(found) ? 2 : 1);
   }
@@ -1545,30 +1543,33 @@ rg_status rg_collector_values_to_list(const rg_collector* c, PyObject** out) {
   RECORD_FUNCTION(c10::str("autograd::engine::evaluate_function: ", (node).name()),             \
                   c10::ArrayRef<const c10::IValue>())
 
-// Whether the retains_grad hook watching `output` was planned.
-static bool planned_retains_grad(const rg_planned_hooks& planned, size_t output) {
-  const uint32_t* end = planned.retains_grad + planned.n_retains_grad;
-  return std::find(planned.retains_grad, end, output) != end;
+// Whether the replay calls hook `i` of `kind` itself (for retains_grad hooks: the one
+// watching output i).
+static bool is_planned(const rg_planned_hooks& planned, int kind, size_t i) {
+  const uint32_t* begin = planned.planned[kind];
+  const uint32_t* end = begin + planned.n_planned[kind];
+  return std::find(begin, end, i) != end;
 }
 
-// Calls the tensor pre-hooks and retains_grad hooks `node` has beyond `planned`, as
-// call_tensor_pre_hooks does: in list order, after the planned ones, which the replay called
-// already.
+// Calls the tensor pre-hooks and retains_grad hooks of `node` other than `planned`, as
+// call_tensor_pre_hooks does: in list order (the replay called the planned ones already).
 static variable_list call_new_tensor_pre_hooks(Node& node, const rg_planned_hooks& planned,
                                                variable_list inputs) {
   auto& tensor_pre = node.tensor_pre_hooks();
-  for (size_t i = planned.tensor_pre; i < tensor_pre.size(); ++i) {
-    inputs = (*tensor_pre[i])(inputs);
+  for (size_t i = 0; i < tensor_pre.size(); ++i) {
+    if (!is_planned(planned, RG_HOOK_TENSOR_PRE, i)) {
+      inputs = (*tensor_pre[i])(inputs);
+    }
   }
   for (const auto& [output, hook] : node.retains_grad_hooks()) {
-    if (!planned_retains_grad(planned, output)) {
+    if (!is_planned(planned, RG_HOOK_RETAINS_GRAD, output)) {
       inputs = (*hook)(inputs);
     }
   }
   return inputs;
 }
 
-// Calls the hooks `node` has beyond `planned` that the engine calls before it: those of
+// Calls the hooks of `node` other than `planned` that the engine calls before it: those of
 // call_tensor_pre_hooks (unless the replay called them already, before the node's planned
 // pre-hooks), then those of call_pre_hooks.
 static variable_list call_new_pre_hooks(Node& node, const rg_planned_hooks& planned,
@@ -1577,21 +1578,25 @@ static variable_list call_new_pre_hooks(Node& node, const rg_planned_hooks& plan
     inputs = call_new_tensor_pre_hooks(node, planned, std::move(inputs));
   }
   auto& pre = node.pre_hooks();
-  for (size_t i = planned.pre; i < pre.size(); ++i) {
-    inputs = (*pre[i])(inputs);
+  for (size_t i = 0; i < pre.size(); ++i) {
+    if (!is_planned(planned, RG_HOOK_PRE, i)) {
+      inputs = (*pre[i])(inputs);
+    }
   }
   return inputs;
 }
 
-// Calls the post hooks `node` has beyond `planned` after it ran, as call_post_hooks does:
+// Calls the post hooks of `node` other than `planned` after it ran, as call_post_hooks does:
 // given the inputs only if the node had post hooks when it was called.
 static variable_list call_new_post_hooks(Node& node, const rg_planned_hooks& planned,
                                          variable_list outputs, bool had_post_hooks,
                                          const variable_list& inputs) {
   auto& post = node.post_hooks();
   const variable_list none;
-  for (size_t i = planned.post; i < post.size(); ++i) {
-    outputs = (*post[i])(outputs, had_post_hooks ? inputs : none);
+  for (size_t i = 0; i < post.size(); ++i) {
+    if (!is_planned(planned, RG_HOOK_POST, i)) {
+      outputs = (*post[i])(outputs, had_post_hooks ? inputs : none);
+    }
   }
   return outputs;
 }
@@ -1599,10 +1604,20 @@ static variable_list call_new_post_hooks(Node& node, const rg_planned_hooks& pla
 rg_status rg_node_has_new_hooks(rg_node* n, const rg_planned_hooks* planned, int* out) {
   RG_TRY
   Node& node = *as_node(n);
-  bool found = node.tensor_pre_hooks().size() > planned->tensor_pre ||
-               node.pre_hooks().size() > planned->pre || node.post_hooks().size() > planned->post;
+  const size_t sizes[] = {node.tensor_pre_hooks().size(), node.pre_hooks().size(),
+                          node.post_hooks().size()};
+  bool found = false;
+  for (int kind : {RG_HOOK_TENSOR_PRE, RG_HOOK_PRE, RG_HOOK_POST}) {
+    for (size_t i = 0; i < sizes[kind] && !found; ++i) {
+      if (!is_planned(*planned, kind, i)) {
+        int64_t value_idx = -1;
+        PyObject* dict = hook_dict(node, kind, i, &value_idx);
+        found = dict == nullptr || !dict_is_empty(dict);
+      }
+    }
+  }
   for (const auto& entry : node.retains_grad_hooks()) {
-    found = found || !planned_retains_grad(*planned, entry.first);
+    found = found || !is_planned(*planned, RG_HOOK_RETAINS_GRAD, entry.first);
   }
   *out = found ? 1 : 0;
   RG_CATCH
@@ -1762,7 +1777,7 @@ rg_status rg_node_accumulate(rg_node* n, rg_tensor* grad, const rg_planned_hooks
   // As in call_function, the inputs are kept for post hooks, a reference AccumulateGrad
   // allows for when it steals the gradient. For the planned ones the caller keeps them.
   const bool had_post_hooks = !node.post_hooks().empty();
-  const bool new_post_hooks = node.post_hooks().size() > planned->post;
+  const bool new_post_hooks = node.post_hooks().size() > planned->n_planned[RG_HOOK_POST];
   auto outputs = node(new_post_hooks ? variable_list(inputs) : std::move(inputs));
   call_new_post_hooks(node, *planned, std::move(outputs), had_post_hooks, inputs);
   RG_CATCH

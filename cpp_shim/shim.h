@@ -30,16 +30,13 @@ typedef struct rg_tensor rg_tensor;
 typedef struct rg_sv rg_sv;
 typedef struct rg_collector rg_collector;
 typedef struct rg_engine_call rg_engine_call;
-// The hooks a node had when it was planned (see rg_node_apply): the sizes of its
-// tensor_pre_hooks, pre_hooks and post_hooks lists, and the outputs its retains_grad hooks
-// watched. `tensor_pre_done`: the new tensor pre-hooks and retains_grad hooks were called
-// already (rg_node_call_new_tensor_pre_hooks).
+// The hooks of a node that the replay calls itself (see rg_node_apply): per hook kind
+// (rg_hook_kind order), their positions in the node's list; for retains_grad hooks, the
+// outputs they watch. `tensor_pre_done`: the node's other tensor pre-hooks and retains_grad
+// hooks were called already (rg_node_call_new_tensor_pre_hooks).
 typedef struct {
-  size_t tensor_pre;
-  size_t pre;
-  size_t post;
-  const uint32_t* retains_grad;
-  size_t n_retains_grad;
+  const uint32_t* planned[4];
+  size_t n_planned[4];
   int tensor_pre_done;
 } rg_planned_hooks;
 
@@ -191,18 +188,20 @@ rg_status rg_collector_values_to_list(const rg_collector* c, PyObject** out);
 // Runs node(inputs) with grad mode off and then validate_outputs(next_edges) as the engine's
 // call_function does. If n_saved > 0, each svs[i] is first swapped with a SavedVariable built
 // from saved[i] (no saved-tensor hooks run) and swapped back afterwards, also on error.
-// `live`: the node runs for real (not traced), and `live` holds the hooks it had when it was
-// planned, which the replay calls around this call. The hooks it has beyond those (registered
-// since by an earlier hook of this backward, or while it runs) are called here as the engine
-// calls them: tensor pre-hooks, retains_grad hooks and pre-hooks before it, post hooks after
-// it (given the inputs only if the node had post hooks when it was called). Null: traced.
+// `live`: the node runs for real (not traced), and `live` holds the hooks the replay calls
+// around this call. The node's other hooks (registered since the call was planned by an
+// earlier hook of this backward or while it runs, or Python hooks whose callables were all
+// removed then, which may have got some since) are called here as the engine calls them:
+// tensor pre-hooks, retains_grad hooks and pre-hooks before it, post hooks after it (given
+// the inputs only if the node had post hooks when it was called). Null: traced.
 rg_status rg_node_apply(rg_node* node, const rg_tensor* const* inputs, size_t n_inputs,
                         const rg_sv* const* svs, const rg_tensor* const* saved, size_t n_saved,
                         const rg_planned_hooks* live, rg_tensor** out, size_t cap,
                         size_t* n_out);
-// *out = 1 if the node has hooks beyond `planned` (registered since it was planned), else 0.
+// *out = 1 if the node has hooks other than `planned` that do something (not a Python hook
+// without callables), else 0. Needs the GIL.
 rg_status rg_node_has_new_hooks(rg_node* node, const rg_planned_hooks* planned, int* out);
-// Calls the tensor pre-hooks and retains_grad hooks the node has beyond `planned` on
+// Calls the tensor pre-hooks and retains_grad hooks of the node other than `planned` on
 // `count` values, writing `count` results: what the engine calls before the node's pre-hooks,
 // for a node whose planned pre-hooks the replay is about to call.
 rg_status rg_node_call_new_tensor_pre_hooks(rg_node* node, const rg_planned_hooks* planned,
@@ -222,8 +221,8 @@ rg_status rg_node_apply_lifted(rg_node* node, const rg_tensor* const* inputs, si
 rg_status rg_node_type_not_liftable(rg_node* node);
 // Runs an AccumulateGrad node on `grad`, which it takes over: the handle is left undefined,
 // so that AccumulateGrad can steal a gradient no one else holds (make it .grad without a
-// copy), as it does in the engine. `grad` may be NULL (no gradient). The hooks the node has
-// beyond `planned` are called around it (see rg_node_apply's `live`).
+// copy), as it does in the engine. `grad` may be NULL (no gradient). The node's hooks other
+// than `planned` are called around it (see rg_node_apply's `live`).
 rg_status rg_node_accumulate(rg_node* node, rg_tensor* grad, const rg_planned_hooks* planned);
 // validate_outputs over root edges (nodes may be null for edges of tensors that need no
 // grad), as Engine::execute does before running; writes the checked/cast grads to out.

@@ -291,30 +291,25 @@ pub enum HookKind {
     RetainsGrad = 3,
 }
 
-/// The hooks a node had when it was planned, which the replay calls around it: running the
-/// node for real with these ([`apply_node`]'s `live`), the shim calls the ones it has beyond
-/// them as the engine would (hooks registered since by an earlier hook of the backward).
+/// The hooks of a node that the replay calls itself: running the node for real with these
+/// ([`apply_node`]'s `live`), the shim calls its other hooks as the engine would (hooks
+/// registered since the call was planned by an earlier hook of the backward).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PlannedHooks {
-    pub tensor_pre: u32,
-    pub pre: u32,
-    pub post: u32,
-    /// The outputs whose retains_grad hooks were planned.
-    pub retains_grad: Vec<u32>,
-    /// The new tensor pre-hooks and retains_grad hooks were called already
+    /// Per [`HookKind`]: the positions of the planned hooks in the node's list (for
+    /// retains_grad hooks, the outputs they watch).
+    pub planned: [Vec<u32>; 4],
+    /// The node's other tensor pre-hooks and retains_grad hooks were called already
     /// ([`call_new_tensor_pre_hooks`]).
     pub tensor_pre_done: bool,
 }
 
 impl PlannedHooks {
-    /// The shim's view, borrowing `retains_grad`.
+    /// The shim's view, borrowing the lists.
     fn raw(&self) -> RawPlannedHooks {
         RawPlannedHooks {
-            tensor_pre: self.tensor_pre as usize,
-            pre: self.pre as usize,
-            post: self.post as usize,
-            retains_grad: self.retains_grad.as_ptr(),
-            n_retains_grad: self.retains_grad.len(),
+            planned: self.planned.each_ref().map(|list| list.as_ptr()),
+            n_planned: self.planned.each_ref().map(Vec::len),
             tensor_pre_done: c_int::from(self.tensor_pre_done),
         }
     }
@@ -323,11 +318,8 @@ impl PlannedHooks {
 /// `rg_planned_hooks`.
 #[repr(C)]
 struct RawPlannedHooks {
-    tensor_pre: usize,
-    pre: usize,
-    post: usize,
-    retains_grad: *const u32,
-    n_retains_grad: usize,
+    planned: [*const u32; 4],
+    n_planned: [usize; 4],
     tensor_pre_done: c_int,
 }
 
@@ -625,8 +617,8 @@ fn node_outputs(
 
 /// Runs `node(inputs)` like the engine's call_function (grad mode off, validate_outputs),
 /// with `saved[i]` swapped into `svs[i]` for the call. With `live` (the node runs for real,
-/// not traced), the hooks it has beyond those are called around it. Returns one entry per
-/// next edge.
+/// not traced), its hooks other than those are called around it. Returns one entry per next
+/// edge.
 pub fn apply_node(
     node: &NodeRef,
     num_outputs: u32,
@@ -700,7 +692,7 @@ pub fn mark_type_not_liftable(node: &NodeRef) -> Result<(), ShimError> {
 }
 
 /// Runs an AccumulateGrad node on `grad`, handing it over so that the node can steal it, and
-/// the hooks it has beyond `planned` around it.
+/// its hooks other than `planned` around it.
 pub fn accumulate(node: &NodeRef, mut grad: Option<Tensor>, planned: &PlannedHooks) -> Result<(), ShimError> {
     let raw = grad.as_mut().map_or(ptr::null_mut(), |t| t.as_mut_ptr());
     let planned = planned.raw();
@@ -737,7 +729,8 @@ pub fn call_pre_hook(
     Ok(result)
 }
 
-/// Whether `node` has hooks beyond `planned` (registered since it was planned).
+/// Whether `node` has hooks other than `planned` that do something (not a Python hook whose
+/// callables were all removed). Needs the GIL.
 pub fn has_new_hooks(node: &NodeRef, planned: &PlannedHooks) -> Result<bool, ShimError> {
     let planned = planned.raw();
     let mut out: c_int = 0;
@@ -746,7 +739,7 @@ pub fn has_new_hooks(node: &NodeRef, planned: &PlannedHooks) -> Result<bool, Shi
     Ok(out != 0)
 }
 
-/// Calls the tensor pre-hooks and retains_grad hooks `node` has beyond `planned` on
+/// Calls the tensor pre-hooks and retains_grad hooks of `node` other than `planned` on
 /// `values`, as the engine does before the node's pre-hooks.
 pub fn call_new_tensor_pre_hooks(
     node: &NodeRef,

@@ -186,20 +186,15 @@ impl Plan {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// The hooks step `s`'s node had when it was planned.
+    /// The hooks of step `s`'s node that the replay calls itself.
     fn planned_hooks(&self, s: usize) -> PlannedHooks {
-        let counts = self.snapshot.graph.nodes[self.schedule.steps[s] as usize].hooks;
         let range = &self.layout.steps[s].hooks;
-        let hooks = &self.layout.hooks[range.start as usize..range.end as usize];
+        let mut planned: [Vec<u32>; 4] = Default::default();
+        for hook in &self.layout.hooks[range.start as usize..range.end as usize] {
+            planned[hook.kind as usize].push(hook.index);
+        }
         PlannedHooks {
-            tensor_pre: counts.tensor_pre,
-            pre: counts.pre,
-            post: counts.post,
-            retains_grad: hooks
-                .iter()
-                .filter(|h| h.kind == HookKind::RetainsGrad)
-                .map(|h| h.index)
-                .collect(),
+            planned,
             tensor_pre_done: self.done_steps().contains(&(s as u32)),
         }
     }

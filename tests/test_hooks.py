@@ -705,6 +705,52 @@ def test_tensor_hook_added_during_backward_on_an_input_of_grad():
     assert_same(tuple(expected[1]), tuple(got[1]), True, "grads")
 
 
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_hook_added_during_backward_to_a_leaf_whose_hooks_were_removed(compiler):
+    # The leaf's hook dict is left empty by a removed hook (the replay skips such a hook);
+    # one added to it during the backward is called before the accumulation, as in eager.
+    def run(backward):
+        torch.manual_seed(0)
+        log = []
+        w = torch.randn(3, requires_grad=True)
+        w.register_hook(lambda g: None).remove()
+        h = (w * 2).tanh()
+        h.register_hook(
+            lambda g: w.register_hook(lambda g: log.append(("w", summary(g))) or g * 10) and None
+        )
+        backward(h.sum())
+        return log, grads_of([w])
+
+    compare(run, compiler)
+
+
+def test_callable_added_during_a_compiled_backward_to_a_traced_hook(caplog):
+    # The leaf's hook is traced into the compiled graph with the callables its dict had
+    # when the call was planned: one added during the backward is missed on that call,
+    # which says so, and later calls run the hooks outside the graph, where they read it.
+    def run(backward):
+        torch.manual_seed(0)
+        log = []
+        w = torch.randn(3, requires_grad=True)
+        w.register_hook(lambda g: log.append(("first", summary(g))))
+        h = (w * 2).tanh()
+        h.register_hook(
+            lambda g: (
+                w.register_hook(lambda g: log.append(("added", summary(g))) or g * 10) and None
+            )
+        )
+        backward(h.sum())
+        return log, grads_of([w])
+
+    with caplog.at_level(logging.WARNING, logger="replaygrad"):
+        run(replay_backward("aot_eager"))
+    assert "callables added to hooks traced into the compiled graph" in caplog.text
+    caplog.clear()
+    for _ in range(2):
+        compare(run, "aot_eager")
+    assert "hooks were registered" not in caplog.text
+
+
 class _Doubled(torch.autograd.Function):
     """A custom Function without ``is_traceable``: its node runs as itself (a graph break)."""
 

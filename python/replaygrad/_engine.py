@@ -304,27 +304,39 @@ def _call_until_done(
             cache.run_as_themselves(entry, plan, config, steps)
 
 
-def _hooks_registered_during(entry: Entry, plan: _core.Plan, config: Config) -> None:
+def _hooks_registered_during(entry: Entry, plan: _core.Plan, config: Config, hooks: list) -> None:
     """After a compiled call during which hooks were registered (every hook's handle is a
-    ``RemovableHandle``, numbered in order): a traced step calls the hooks its node had
-    when the call was planned, so one registered on it during the backward was not called
-    if the node had not run yet. Later calls run such steps as themselves: a node run for
-    real calls the hooks it got since the call was planned, as the engine does."""
+    ``RemovableHandle``, numbered in order). A traced step calls the hooks its node had
+    when the call was planned, and a Python hook traced into the graph the callables its
+    dict had then (``hooks``), so a hook registered during the backward was not called if
+    its node had not run yet. Later calls run such steps as themselves, where a node calls
+    the hooks it got since the call was planned, and such hooks outside the graph, where
+    they read their dict when reached, as the engine does."""
     steps = set(plan.traced_steps_with_new_hooks()) - entry.opaque
-    if not steps:
+    added = entry.replay.hooks_in_graph and any(
+        fn not in before
+        for fns, before in zip(hook_arguments(plan.hook_dicts(), True), hooks)
+        for fn in fns
+    )
+    if not steps and not added:
         return
     order = plan.order()
-    nodes = ", ".join(f"{order[s]} (step {s})" for s in sorted(steps))
     log.warning(
-        "replaygrad: hooks were registered during a compiled backward on nodes of its graph "
-        "(%s), which the compiled replay does not call where the node had not run yet; "
-        "later calls with this graph run those nodes as themselves, where they are called as "
-        "in eager (compiler=None calls them in this call too)",
-        nodes,
+        "replaygrad: hooks were registered during a compiled backward%s, which the compiled "
+        "replay does not call where their node had not run yet; later calls with this graph "
+        "call them as in eager (compiler=None calls them in this call too)",
+        f" on nodes of its graph ({', '.join(f'{order[s]} (step {s})' for s in sorted(steps))})"
+        if steps
+        else " (callables added to hooks traced into the compiled graph)",
     )
-    cache.run_as_themselves(
-        entry, plan, config, steps, "hooks were registered on their nodes during a backward"
-    )
+    if steps:
+        cache.run_as_themselves(
+            entry, plan, config, steps, "hooks were registered on their nodes during a backward"
+        )
+    if added:
+        cache.move_hooks_outside(
+            entry, plan, config, "callables were added to its hooks during a backward"
+        )
 
 
 def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...] | None:
@@ -429,7 +441,7 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
     plan.run_deferred(deferred)
     entry.calls += 1
     if config.compiler is not None and RemovableHandle.next_id != handles:
-        _hooks_registered_during(entry, plan, config)
+        _hooks_registered_during(entry, plan, config, hooks)
     if entry.replay.hooks_in_graph and not config.fullgraph:
         if hooks and entry.calls > 1 and _graphs_compiled() > graphs:
             cache.move_hooks_outside(
