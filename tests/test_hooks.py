@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import re
 import warnings
+from collections.abc import Callable
 from typing import ClassVar
 
 import pytest
@@ -610,6 +611,23 @@ def _add_accumulate_grad_post_hook(x, h, out, log):
     )
 
 
+def _changed_during_backward(change: Callable, middle: Callable = lambda x: x * 2) -> Callable:
+    """``run(backward)`` for :func:`compare` of x -> h = middle(x) -> out = h.exp(), with
+    ``change(x, h, out, log)`` made before the backward (hooks that edit hooks)."""
+
+    def run(backward):
+        torch.manual_seed(0)
+        log = []
+        x = torch.randn(3, requires_grad=True)
+        h = middle(x)
+        out = h.exp()
+        change(x, h, out, log)
+        backward(out.sum())
+        return log, [*grads_of([x]), h.grad if h.retains_grad else None]
+
+    return run
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -624,17 +642,7 @@ def _add_accumulate_grad_post_hook(x, h, out, log):
     ],
 )
 def test_hooks_added_or_removed_during_backward(change):
-    def run(backward):
-        torch.manual_seed(0)
-        log = []
-        x = torch.randn(3, requires_grad=True)
-        h = x * 2
-        out = h.exp()
-        change(x, h, out, log)
-        backward(out.sum())
-        return log, [*grads_of([x]), h.grad if h.retains_grad else None]
-
-    compare(run, None)
+    compare(_changed_during_backward(change), None)
 
 
 def test_tensor_hook_added_during_backward_runs_before_the_nodes_pre_hooks():
@@ -771,17 +779,7 @@ class _Doubled(torch.autograd.Function):
 def test_hooks_added_during_backward_to_a_node_that_runs_as_itself(compiler, change):
     # A node run for real calls the hooks it got since the call was planned, also in a
     # compiled replay: a node that runs as itself, and a leaf's AccumulateGrad.
-    def run(backward):
-        torch.manual_seed(0)
-        log = []
-        x = torch.randn(3, requires_grad=True)
-        h = _Doubled.apply(x)
-        out = h.exp()
-        change(x, h, out, log)
-        backward(out.sum())
-        return log, grads_of([x])
-
-    compare(run, compiler)
+    compare(_changed_during_backward(change, _Doubled.apply), compiler)
 
 
 @pytest.mark.parametrize("change", [_add_tensor_hook, _add_node_pre_hook, _add_node_post_hook])
@@ -789,16 +787,7 @@ def test_hook_added_during_a_compiled_backward_to_a_traced_node(change, caplog):
     # A traced step calls the hooks its node had when the call was planned: the first call
     # misses the new one and says so, and later calls run that node as itself, which calls
     # it as in eager.
-    def run(backward):
-        torch.manual_seed(0)
-        log = []
-        x = torch.randn(3, requires_grad=True)
-        h = x * 2
-        out = h.exp()
-        change(x, h, out, log)
-        backward(out.sum())
-        return log, grads_of([x])
-
+    run = _changed_during_backward(change)
     with caplog.at_level(logging.WARNING, logger="replaygrad"):
         run(replay_backward("aot_eager"))
     assert "hooks were registered during a compiled backward" in caplog.text
