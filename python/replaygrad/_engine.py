@@ -321,14 +321,25 @@ def _hooks_registered_during(entry: Entry, plan: _core.Plan, config: Config, hoo
     if not steps and not added:
         return
     order = plan.order()
-    log.warning(
-        "replaygrad: hooks were registered during a compiled backward%s, which the compiled "
-        "replay does not call where their node had not run yet; later calls with this graph "
-        "call them as in eager (compiler=None calls them in this call too)",
-        f" on nodes of its graph ({', '.join(f'{order[s]} (step {s})' for s in sorted(steps))})"
+    where = (
+        f"on nodes of its graph ({', '.join(f'{order[s]} (step {s})' for s in sorted(steps))})"
         if steps
-        else " (callables added to hooks traced into the compiled graph)",
+        else "(callables added to hooks traced into the compiled graph)"
     )
+    later = (
+        "under fullgraph=True later calls miss them too"
+        if config.fullgraph
+        else "later calls with this graph call them as in eager"
+    )
+    log.warning(
+        "replaygrad: hooks were registered during a compiled backward %s, which the compiled "
+        "replay does not call where their node had not run yet; %s (compiler=None calls them "
+        "in this call too)",
+        where,
+        later,
+    )
+    if config.fullgraph:
+        return  # no graph break allowed
     if steps:
         cache.run_as_themselves(
             entry, plan, config, steps, "hooks were registered on their nodes during a backward"
