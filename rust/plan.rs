@@ -105,9 +105,9 @@ impl Plan {
 
     /// Runs the step's node on `inputs`. With `saved`, the step's saved values are replaced
     /// by these for the call; without, the node runs with its own. `live`: it runs for real
-    /// (not traced: an opaque step, AccumulateGrad's node, or any step of an uncompiled
-    /// replay), and the hooks it got since it was planned are called around it as the engine
-    /// calls them (see cpp_shim/shim.h, rg_node_apply).
+    /// (not traced: a step that runs as itself, or any step of an uncompiled replay), and
+    /// its hooks the replay does not call itself (registered since the call was planned)
+    /// are called around it as the engine calls them (see cpp_shim/shim.h, rg_node_apply).
     pub fn apply(
         &self,
         step: u32,
