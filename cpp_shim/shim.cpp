@@ -878,6 +878,22 @@ struct rg_collector {
   std::vector<at::Tensor> sources;
 };
 
+// Runs `call` (hooks, which take the GIL themselves) without the GIL and writes the `count`
+// values it returns to `out`: a hook may not change their number.
+template <typename Call>
+rg_status write_hook_values(const char* message, size_t count, rg_tensor** out, Call call) {
+  variable_list result;
+  {
+    WithoutGil no_gil;
+    result = call();
+  }
+  if (result.size() != count) {
+    return fail(RG_KIND_RUNTIME, message);
+  }
+  write_list(std::move(result), out);
+  return RG_OK;
+}
+
 extern "C" {
 
 const char* rg_last_error_message(void) {
@@ -1144,15 +1160,8 @@ rg_status rg_node_call_pre_hook(rg_node* n, int kind, size_t i, const rg_tensor*
   if (!hook) {
     return fail(RG_KIND_INDEX, "rg_node_call_pre_hook: no such hook");
   }
-  variable_list result;
-  {
-    WithoutGil no_gil;
-    result = (*hook)(to_list(values, count));
-  }
-  if (result.size() != count) {
-    return fail(RG_KIND_RUNTIME, "rg_node_call_pre_hook: hook changed the number of values");
-  }
-  write_list(std::move(result), out);
+  return write_hook_values("rg_node_call_pre_hook: hook changed the number of values", count,
+                           out, [&] { return (*hook)(to_list(values, count)); });
   RG_CATCH
 }
 
@@ -1164,15 +1173,10 @@ rg_status rg_node_call_post_hook(rg_node* n, size_t i, const rg_tensor* const* o
   if (i >= node.post_hooks().size()) {
     return fail(RG_KIND_INDEX, "rg_node_call_post_hook: no such hook");
   }
-  variable_list result;
-  {
-    WithoutGil no_gil;
-    result = (*node.post_hooks()[i])(to_list(outputs, n_outputs), to_list(inputs, n_inputs));
-  }
-  if (result.size() != n_outputs) {
-    return fail(RG_KIND_RUNTIME, "rg_node_call_post_hook: hook changed the number of values");
-  }
-  write_list(std::move(result), out);
+  return write_hook_values(
+      "rg_node_call_post_hook: hook changed the number of values", n_outputs, out, [&] {
+        return (*node.post_hooks()[i])(to_list(outputs, n_outputs), to_list(inputs, n_inputs));
+      });
   RG_CATCH
 }
 
@@ -1627,15 +1631,9 @@ rg_status rg_node_call_new_tensor_pre_hooks(rg_node* n, const rg_planned_hooks* 
                                             const rg_tensor* const* values, size_t count,
                                             rg_tensor** out) {
   RG_TRY
-  variable_list result;
-  {
-    WithoutGil no_gil;
-    result = call_new_tensor_pre_hooks(*as_node(n), *planned, to_list(values, count));
-  }
-  if (result.size() != count) {
-    return fail(RG_KIND_RUNTIME, "rg_node_call_new_tensor_pre_hooks: a hook changed the number of values");
-  }
-  write_list(std::move(result), out);
+  return write_hook_values(
+      "rg_node_call_new_tensor_pre_hooks: a hook changed the number of values", count, out,
+      [&] { return call_new_tensor_pre_hooks(*as_node(n), *planned, to_list(values, count)); });
   RG_CATCH
 }
 

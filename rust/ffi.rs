@@ -615,6 +615,19 @@ fn node_outputs(
     Ok(outputs)
 }
 
+/// Calls a shim function that writes exactly `count` tensor handles, and takes them over,
+/// also when it failed (the handles written are null until it succeeds).
+fn written_values(
+    count: usize,
+    call: impl FnOnce(*mut *mut C_tensor) -> c_int,
+) -> Result<Vec<Option<Tensor>>, ShimError> {
+    let mut out: Vec<*mut C_tensor> = vec![ptr::null_mut(); count];
+    let status = call(out.as_mut_ptr());
+    let values = take_tensors(out);
+    check(status)?;
+    Ok(values)
+}
+
 /// Runs `node(inputs)` like the engine's call_function (grad mode off, validate_outputs),
 /// with `saved[i]` swapped into `svs[i]` for the call. With `live` (the node runs for real,
 /// not traced), its hooks other than those are called around it. Returns one entry per next
@@ -712,21 +725,10 @@ pub fn call_pre_hook(
     values: &[Option<Tensor>],
 ) -> Result<Vec<Option<Tensor>>, ShimError> {
     let ptrs = tensor_ptrs(values);
-    let mut out: Vec<*mut C_tensor> = vec![ptr::null_mut(); ptrs.len()];
-    // SAFETY: both arrays hold values.len() entries.
-    let status = unsafe {
-        rg_node_call_pre_hook(
-            node.as_ptr(),
-            kind as c_int,
-            i,
-            ptrs.as_ptr(),
-            ptrs.len(),
-            out.as_mut_ptr(),
-        )
-    };
-    let result = take_tensors(out);
-    check(status)?;
-    Ok(result)
+    written_values(ptrs.len(), |out| {
+        // SAFETY: both arrays hold values.len() entries.
+        unsafe { rg_node_call_pre_hook(node.as_ptr(), kind as c_int, i, ptrs.as_ptr(), ptrs.len(), out) }
+    })
 }
 
 /// Whether `node` has hooks other than `planned` that do something (not a Python hook whose
@@ -747,21 +749,11 @@ pub fn call_new_tensor_pre_hooks(
     values: &[Option<Tensor>],
 ) -> Result<Vec<Option<Tensor>>, ShimError> {
     let ptrs = tensor_ptrs(values);
-    let mut out: Vec<*mut C_tensor> = vec![ptr::null_mut(); ptrs.len()];
     let planned = planned.raw();
-    // SAFETY: both arrays hold values.len() entries; `planned` outlives the call.
-    let status = unsafe {
-        rg_node_call_new_tensor_pre_hooks(
-            node.as_ptr(),
-            &planned,
-            ptrs.as_ptr(),
-            ptrs.len(),
-            out.as_mut_ptr(),
-        )
-    };
-    let result = take_tensors(out);
-    check(status)?;
-    Ok(result)
+    written_values(ptrs.len(), |out| {
+        // SAFETY: both arrays hold values.len() entries; `planned` outlives the call.
+        unsafe { rg_node_call_new_tensor_pre_hooks(node.as_ptr(), &planned, ptrs.as_ptr(), ptrs.len(), out) }
+    })
 }
 
 /// Runs `post_hooks()[i](outputs, inputs)`.
@@ -773,22 +765,20 @@ pub fn call_post_hook(
 ) -> Result<Vec<Option<Tensor>>, ShimError> {
     let out_ptrs = tensor_ptrs(outputs);
     let in_ptrs = tensor_ptrs(inputs);
-    let mut out: Vec<*mut C_tensor> = vec![ptr::null_mut(); out_ptrs.len()];
-    // SAFETY: arrays are valid for their lengths.
-    let status = unsafe {
-        rg_node_call_post_hook(
-            node.as_ptr(),
-            i,
-            out_ptrs.as_ptr(),
-            out_ptrs.len(),
-            in_ptrs.as_ptr(),
-            in_ptrs.len(),
-            out.as_mut_ptr(),
-        )
-    };
-    let result = take_tensors(out);
-    check(status)?;
-    Ok(result)
+    written_values(out_ptrs.len(), |out| {
+        // SAFETY: arrays are valid for their lengths.
+        unsafe {
+            rg_node_call_post_hook(
+                node.as_ptr(),
+                i,
+                out_ptrs.as_ptr(),
+                out_ptrs.len(),
+                in_ptrs.as_ptr(),
+                in_ptrs.len(),
+                out,
+            )
+        }
+    })
 }
 
 /// `validate_outputs` over the root edges, as `Engine::execute` does first.
@@ -802,20 +792,18 @@ pub fn validate_root_grads(
         .collect();
     let input_nrs: Vec<u32> = roots.iter().map(|(_, nr)| *nr).collect();
     let ptrs = tensor_ptrs(grads);
-    let mut out: Vec<*mut C_tensor> = vec![ptr::null_mut(); ptrs.len()];
-    // SAFETY: all arrays hold roots.len() entries.
-    let status = unsafe {
-        rg_validate_root_grads(
-            nodes.as_ptr(),
-            input_nrs.as_ptr(),
-            nodes.len(),
-            ptrs.as_ptr(),
-            out.as_mut_ptr(),
-        )
-    };
-    let result = take_tensors(out);
-    check(status)?;
-    Ok(result)
+    written_values(ptrs.len(), |out| {
+        // SAFETY: all arrays hold roots.len() entries.
+        unsafe {
+            rg_validate_root_grads(
+                nodes.as_ptr(),
+                input_nrs.as_ptr(),
+                nodes.len(),
+                ptrs.as_ptr(),
+                out,
+            )
+        }
+    })
 }
 
 /// What `compiled_args` tells about one node.
