@@ -1214,7 +1214,7 @@ def _region_source(
         post = []
         # Outside the graph, the tensor pre-hooks the node got since the call was planned
         # run where the engine runs them, before its pre-hooks (see new_tensor_pre_hooks).
-        first_pre = where == "_outside" and "pre" in (hook[0] for hook in hooks)
+        first_pre = where == "_outside"
         for pos, (hook_kind, index, python, value_idx) in enumerate(hooks):
             h = hook - hook_base
             if hook_kind == "pre" and first_pre:
