@@ -416,3 +416,30 @@ def test_only_the_region_of_a_data_dependent_step_is_compiled_again():
     assert regions > 3
     assert len(entry.capture) == 1
     assert len(compiles) == len({r.key for r in entry.replay.regions}) + 1
+
+
+def test_regions_do_not_read_undefined_saved_values():
+    """Dynamo guards on every value a compiled region reads. An undefined saved value (here
+    MulBackward0's ``self``: ``y * w`` saves it only for ``w``'s gradient) is known to be
+    None from the key, so the region passes None without reading it; and every region's
+    compile gets the user's ``options`` (torch.compile pops ``guard_filter_fn`` from the
+    dict it is given)."""
+    leaf = torch.randn(8, requires_grad=True)
+    w = torch.randn(8)
+    guards: list = []
+
+    def record(entries):
+        guards.append([(g.guard_type, g.name) for g in entries])
+        return [True] * len(entries)
+
+    chain(leaf, w).backward()
+    expected = grads_of([leaf])
+    leaf.grad = None
+    with replaygrad.enable("aot_eager", options={"guard_filter_fn": record}):
+        chain(leaf, w).backward()
+    assert_grads_equal(expected, grads_of([leaf]), exact=False)
+    (entry,) = cache._entries.values()
+    assert len(guards) == len({r.key for r in entry.replay.regions}) >= 3
+    # TENSOR_MATCH, DUPLICATE_INPUT (w is saved by every MulBackward0), no NONE_MATCH.
+    read = {kind for region in guards for kind, name in region if name.startswith("saved[")}
+    assert "TENSOR_MATCH" in read and "CONSTANT_MATCH" not in read

@@ -124,7 +124,11 @@ def _compile(
         return fn
     try:
         if isinstance(compiler, str):
-            kwargs = config.kwargs
+            # torch.compile pops entries (guard_filter_fn) from the options it is given:
+            # each region gets its own copy.
+            kwargs = {**config.kwargs}
+            if isinstance(kwargs.get("options"), dict):
+                kwargs["options"] = {**kwargs["options"]}
             if compiler == "inductor":
                 kwargs = _inductor_kwargs(kwargs, views)
             compiled = torch.compile(fn, backend=compiler, **kwargs)
@@ -437,7 +441,7 @@ class ReplayCache:
             return compiled
 
         size = self.region_size if config.compiler is not None else None
-        saved = plan.saved_values() if size is not None else ()
+        saved = plan.saved_values() if config.compiler is not None else ()
         replay = build(
             plan,
             compile_region,

@@ -980,7 +980,8 @@ def regions(
     has ``region_size`` steps, so that in a graph of repeated structure the regions repeat
     too; with a ``region_size``, a region also starts at each checkpointed block (see
     :func:`unpack_saved`). ``saved`` (the plan's saved values, when known) adds their
-    metadata to the keys. ``opaque`` and ``escapes``: see :func:`_region_source`.
+    metadata to the keys, and the regions do not read the slots that hold None. ``opaque``
+    and ``escapes``: see :func:`_region_source`.
     """
     digests = plan.step_digests()
     size_ranges = plan.size_ranges()
@@ -988,6 +989,7 @@ def regions(
     # Per step: what the node is, whatever step it is (type, input metadata, specialisation).
     what = [(step[0], step[1], digests[24 * s + 8 : 24 * s + 24]) for s, step in enumerate(steps)]
     effects = {(step, pos) for step, _kind, pos in plan.deferred()}
+    absent = frozenset(slot for slot, value in enumerate(saved) if value is None)
     cuts = _cuts(what, region_size)
     if region_size is not None and hooked:
         # Checkpointed blocks break the graph where they are unpacked anyway: a region per
@@ -1009,6 +1011,7 @@ def regions(
             python_hooks,
             escapes,
             {m: (first, members, hooked[m][0]) for first, members in unpacks for m in members},
+            absent,
         )
         a, b = (steps[start][6], steps[end - 1][7]) if end > start else (0, 0)
         identity = [
@@ -1115,6 +1118,7 @@ def _region_source(
     hook_base: int,
     escapes: bool = True,
     unpacked: dict[int, tuple[int, tuple[int, ...], int]] | None = None,
+    absent: frozenset[int] = frozenset(),
 ) -> tuple[str, tuple, tuple, tuple, int]:
     """Straight-line source for ``region(inc, saved, sizes, hooks, deferred)``, one block per step
     as engine.cpp runs it, and its interface: the incoming and exported input buffers (as
@@ -1137,7 +1141,9 @@ def _region_source(
     :func:`_overlapping`). ``unpacked``: traced steps whose last saved values are unpacked
     when the replay runs, as (first step of their group, the group's steps, count); the
     group's values are unpacked at its first step (one graph break for a checkpointed
-    block), each step's dropped after it ran.
+    block), each step's dropped after it ran. ``absent``: the saved slots that hold None
+    (undefined SavedVariables; the keys tell them apart): the region passes None there
+    without reading ``saved``, so that a compiler does not guard on them.
     """
     unpacked = unpacked or {}
     groups: dict[int, str] = {}
@@ -1190,6 +1196,14 @@ def _region_source(
 
     saved_base = steps[start][6] if end > start else 0
     sizes_base = size_ranges[start][0] if end > start else 0
+
+    def saved_slots(a: int, b: int) -> str:
+        """The list of the saved slots ``a..b``."""
+        if not any(slot in absent for slot in range(a, b)):
+            return f"saved[{a - saved_base}:{b - saved_base}]"
+        values = ("None" if x in absent else f"saved[{x - saved_base}]" for x in range(a, b))
+        return f"[{', '.join(values)}]"
+
     body = []
     exports: list[tuple[int, int]] = []
     hook = hook_base
@@ -1240,7 +1254,7 @@ def _region_source(
         if mode == "traced":
             c, d = size_ranges[s]
             lifted = f", sizes[{c - sizes_base}:{d - sizes_base}]" if d > c else ""
-            saved_k = f"saved[{a - saved_base}:{b - saved_base}]"
+            saved_k = saved_slots(a, b)
             done = None
             if s in unpacked:
                 first, members, count = unpacked[s]
@@ -1249,8 +1263,7 @@ def _region_source(
                     relative = "".join(f"{m - start}, " for m in members)
                     body.append(f"{groups[first]} = unpack_saved(deferred, {k}, ({relative}))")
                 u = f"{groups[first]}[{members.index(s)}]"
-                own = f"saved[{a - saved_base}:{b - count - saved_base}]"
-                saved_k = f"[*{own}, *{u}]"
+                saved_k = f"[*{saved_slots(a, b - count)}, *{u}]"
                 # Dropped once the step ran, as the engine drops what a node unpacked.
                 done = f"del {groups[first]}" if s == members[-1] else f"{u} = None"
             if escapes and steps[s][1] == "python_function":
