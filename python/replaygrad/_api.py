@@ -106,7 +106,9 @@ def enable(
     failures (see :func:`backward`).
 
     Blocks nest: the innermost :func:`enable` or :func:`disable` decides, and the prior state
-    is restored on exit, also when the block raises. Other threads are not affected.
+    is restored on exit, also when the block raises. Other threads are routed as before;
+    backward calls through one graph from several threads at once are not supported (the
+    README's Known limitations).
     """
     with routed(Config.make(compiler, compile_options, fallback)):
         yield
