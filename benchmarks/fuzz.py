@@ -68,6 +68,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--exclude", help="comma-separated op kinds not to draw")
     p.add_argument("--no-repeat", action="store_true", help="replay each program once, not twice")
     p.add_argument("--cache-size", type=int, default=256, help="replaygrad's replay cache size")
+    p.add_argument(
+        "--reset-every",
+        type=int,
+        default=500,
+        help="clear replaygrad's cache every N programs (0: never). Programs of one graph "
+        "shape with other node state (a scalar) share a limit of compiled variants "
+        "(torch._dynamo.config.recompile_limit), past which the engine runs them, which the "
+        "check reports as a call not replayed; thousands of programs reach it",
+    )
     return p.parse_args(argv)
 
 
@@ -113,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     smallest: dict[str, fuzz_graphs.Program] = {}
 
     def run(program: fuzz_graphs.Program) -> None:
+        if args.reset_every and stats["examples"] % args.reset_every == 0:
+            replaygrad.reset()
         stats["examples"] += 1
         stats["ops"] += len(program.ops)
         try:
