@@ -22,6 +22,7 @@ import replaygrad
 from conftest import (
     COMPILERS,
     FAST_COMPILERS,
+    Doubling,
     assert_grads_equal,
     assert_replayed,
     assert_same,
@@ -759,18 +760,6 @@ def test_callable_added_during_a_compiled_backward_to_a_traced_hook(caplog):
     assert "hooks were registered" not in caplog.text
 
 
-class _Doubled(torch.autograd.Function):
-    """A custom Function without ``is_traceable``: its node runs as itself (a graph break)."""
-
-    @staticmethod
-    def forward(ctx, a):
-        return a * 2
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 2
-
-
 @pytest.mark.parametrize("compiler", FAST_COMPILERS)
 @pytest.mark.parametrize(
     "change",
@@ -779,7 +768,7 @@ class _Doubled(torch.autograd.Function):
 def test_hooks_added_during_backward_to_a_node_that_runs_as_itself(compiler, change):
     # A node run for real calls the hooks it got since the call was planned, also in a
     # compiled replay: a node that runs as itself, and a leaf's AccumulateGrad.
-    compare(_changed_during_backward(change, _Doubled.apply), compiler)
+    compare(_changed_during_backward(change, Doubling.apply), compiler)
 
 
 @pytest.mark.parametrize("change", [_add_tensor_hook, _add_node_pre_hook, _add_node_post_hook])
