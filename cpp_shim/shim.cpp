@@ -30,12 +30,14 @@
 #include <ATen/record_function.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstring>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <typeinfo>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -541,6 +543,34 @@ class SlotTable {
   size_t used_ = 0;
 };
 
+// A wrapped number's value: its dtype and the bytes of its element.
+struct WrappedValue {
+  c10::ScalarType dtype;
+  std::array<uint64_t, 2> bits;
+  bool operator==(const WrappedValue& other) const {
+    return dtype == other.dtype && bits == other.bits;
+  }
+};
+
+struct WrappedValueHash {
+  size_t operator()(const WrappedValue& v) const {
+    return static_cast<size_t>((v.bits[0] ^ (v.bits[1] * 31) ^ static_cast<uint64_t>(v.dtype)) *
+                               0x9E3779B97F4A7C15ull);
+  }
+};
+
+// The value of `impl` if it is a wrapped number of a plain CPU tensor.
+static std::optional<WrappedValue> wrapped_value(const c10::TensorImpl* impl) {
+  if (!impl->is_wrapped_number() || typeid(*impl) != typeid(c10::TensorImpl) ||
+      !impl->has_storage() || impl->device_type() != c10::kCPU ||
+      impl->key_set().has_any(c10::python_ks) || impl->itemsize() > sizeof(uint64_t) * 2) {
+    return std::nullopt;
+  }
+  WrappedValue v{c10::typeMetaToScalarType(impl->dtype()), {0, 0}};
+  std::memcpy(v.bits.data(), impl->data(), impl->itemsize());
+  return v;
+}
+
 // Deterministic slot order of a visited node's saved variables: by TensorArg id (ids follow
 // the collection order; equal ids mean the same tensor, so their relative order is moot).
 using SlotOrder = std::vector<std::pair<std::pair<uint32_t, uintptr_t>, const SavedVariable*>>;
@@ -876,6 +906,13 @@ struct rg_collector {
   // keeps alive so that its address is not reused by another tensor during the walk.
   SlotTable first_slot;
   std::vector<at::Tensor> sources;
+  // Wrapped numbers (the Python scalars ops take as 0-dim tensors, e.g. the 0.9 of
+  // `y * 0.9`) are made anew by every op that takes one: equal ones (same dtype and bits)
+  // get one value, as if they were one tensor, the first one seen (`first_slot`'s key).
+  std::unordered_map<WrappedValue, const void*, WrappedValueHash> first_wrapped;
+  // The slots that took another wrapped number's value, with their own tensor (its version
+  // is checked as the slot's; see rg_collector_first_modified), in slot order.
+  std::vector<std::pair<size_t, at::Tensor>> aliases;
 };
 
 // Runs `call` (hooks, which take the GIL themselves) without the GIL and writes the `count`
@@ -1405,16 +1442,26 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
     if (arg->defined()) {
       const at::Tensor& source = compiler.tensor_args.inputs[arg->index()];
       const size_t slot = c->values.size();
-      const size_t first = c->first_slot.find_or_insert(source.unsafeGetTensorImpl(), slot);
+      const void* impl = source.unsafeGetTensorImpl();
+      const void* same = impl;
+      if (auto wrapped = wrapped_value(source.unsafeGetTensorImpl())) {
+        same = c->first_wrapped.try_emplace(*wrapped, impl).first->second;
+      }
+      const size_t first = c->first_slot.find_or_insert(same, slot);
       if (first == slot) {
         value = detached_value(source);
         c->sources.push_back(source);
       } else {
         value = c->values[first];
+        if (same != impl) {
+          c->aliases.emplace_back(slot, source);
+        }
       }
+      c->versions.push_back(version_of(same != impl ? source : value));
+    } else {
+      c->versions.push_back(0);
     }
     c->svs.push_back(sv);
-    c->versions.push_back(value.defined() ? version_of(value) : 0);
     c->values.push_back(std::move(value));
   }
   auto& hooked = c->hooked;
@@ -1465,8 +1512,11 @@ rg_status rg_collector_first_modified(const rg_collector* c, size_t begin, size_
   RG_TRY
   end = std::min(end, c->values.size());
   *slot = end;
+  auto alias = std::lower_bound(c->aliases.begin(), c->aliases.end(), begin,
+                                [](const auto& a, size_t i) { return a.first < i; });
   for (size_t i = begin; i < end; ++i) {
-    const at::Tensor& value = c->values[i];
+    const bool aliased = alias != c->aliases.end() && alias->first == i;
+    const at::Tensor& value = aliased ? (alias++)->second : c->values[i];
     if (!value.defined()) {
       continue;
     }
