@@ -692,12 +692,24 @@ fn same_node(a: &Bound<'_, PyAny>, b: &Bound<'_, PyAny>) -> PyResult<bool> {
     Ok(matches!((na, nb), (Some(x), Some(y)) if x.as_ptr() == y.as_ptr()))
 }
 
+/// Whether the type of every item of the list `values` is one of `types` (exactly: not a
+/// subclass of one), e.g. saved values Dynamo can fake. The check in Python takes ~20 ns
+/// per item, on every call, for hundreds of saved values.
+#[pyfunction]
+fn only_types(values: &Bound<'_, PyList>, types: &Bound<'_, PyTuple>) -> bool {
+    values.iter().all(|v| {
+        let t = v.get_type();
+        types.iter().any(|allowed| allowed.is(&t))
+    })
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // tch's THPVariable_Wrap needs torch's Python types initialised.
     m.py().import("torch")?;
     m.add_class::<PyPlan>()?;
     m.add_function(wrap_pyfunction!(plan, m)?)?;
     m.add_function(wrap_pyfunction!(same_node, m)?)?;
+    m.add_function(wrap_pyfunction!(only_types, m)?)?;
     m.add_function(wrap_pyfunction!(plan_engine_call, m)?)?;
     m.add_function(wrap_pyfunction!(engine_hook_install, m)?)?;
     m.add_function(wrap_pyfunction!(engine_hook_uninstall, m)?)?;

@@ -198,7 +198,7 @@ def _engine_only_reason() -> str | None:
 
 #: The types of values a compiled replay takes (saved values and root gradients may be
 #: undefined).
-_PLAIN_VALUES = frozenset({torch.Tensor, torch.nn.Parameter, type(None)})
+_PLAIN_VALUES = (torch.Tensor, torch.nn.Parameter, type(None))
 
 
 _batched = torch._C._functorch.is_legacy_batchedtensor
@@ -209,7 +209,7 @@ def _unfakeable(grads: tuple, saved: list) -> bool:
     tensor subclasses, or root gradients batched by ``is_grads_batched=True`` (legacy vmap:
     plain tensors to Python)."""
     return not (
-        _PLAIN_VALUES.issuperset(map(type, grads)) and _PLAIN_VALUES.issuperset(map(type, saved))
+        all(type(g) in _PLAIN_VALUES for g in grads) and _core.only_types(saved, _PLAIN_VALUES)
     ) or any(g is not None and _batched(g) for g in grads)
 
 
