@@ -1655,11 +1655,13 @@ static variable_list call_new_post_hooks(Node& node, const rg_planned_hooks& pla
   return outputs;
 }
 
-rg_status rg_node_has_new_hooks(rg_node* n, const rg_planned_hooks* planned, int* out) {
+rg_status rg_node_has_new_hooks(rg_node* n, const rg_planned_hooks* planned,
+                                int tensor_pre_only, int* out) {
   RG_TRY
   Node& node = *as_node(n);
-  const size_t sizes[] = {node.tensor_pre_hooks().size(), node.pre_hooks().size(),
-                          node.post_hooks().size()};
+  const size_t sizes[] = {node.tensor_pre_hooks().size(),
+                          tensor_pre_only ? 0 : node.pre_hooks().size(),
+                          tensor_pre_only ? 0 : node.post_hooks().size()};
   bool found = false;
   for (int kind : {RG_HOOK_TENSOR_PRE, RG_HOOK_PRE, RG_HOOK_POST}) {
     for (size_t i = 0; i < sizes[kind] && !found; ++i) {

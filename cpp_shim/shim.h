@@ -199,8 +199,10 @@ rg_status rg_node_apply(rg_node* node, const rg_tensor* const* inputs, size_t n_
                         const rg_planned_hooks* live, rg_tensor** out, size_t cap,
                         size_t* n_out);
 // *out = 1 if the node has hooks other than `planned` that do something (not a Python hook
-// without callables), else 0. Needs the GIL.
-rg_status rg_node_has_new_hooks(rg_node* node, const rg_planned_hooks* planned, int* out);
+// without callables), else 0; with `tensor_pre_only`, only tensor pre-hooks and retains_grad
+// hooks count (all the engine calls for a node it does not run). Needs the GIL.
+rg_status rg_node_has_new_hooks(rg_node* node, const rg_planned_hooks* planned,
+                                int tensor_pre_only, int* out);
 // Calls the tensor pre-hooks and retains_grad hooks of the node other than `planned` on
 // `count` values, writing `count` results: what the engine calls before the node's pre-hooks,
 // for a node whose planned pre-hooks the replay is about to call.

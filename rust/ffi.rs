@@ -172,7 +172,12 @@ extern "C" {
         cap: usize,
         n_out: *mut usize,
     ) -> c_int;
-    fn rg_node_has_new_hooks(node: *mut RawNode, planned: *const RawPlannedHooks, out: *mut c_int) -> c_int;
+    fn rg_node_has_new_hooks(
+        node: *mut RawNode,
+        planned: *const RawPlannedHooks,
+        tensor_pre_only: c_int,
+        out: *mut c_int,
+    ) -> c_int;
     fn rg_node_call_new_tensor_pre_hooks(
         node: *mut RawNode,
         planned: *const RawPlannedHooks,
@@ -732,12 +737,17 @@ pub fn call_pre_hook(
 }
 
 /// Whether `node` has hooks other than `planned` that do something (not a Python hook whose
-/// callables were all removed). Needs the GIL.
-pub fn has_new_hooks(node: &NodeRef, planned: &PlannedHooks) -> Result<bool, ShimError> {
+/// callables were all removed); with `tensor_pre_only`, tensor pre-hooks and retains_grad
+/// hooks only. Needs the GIL.
+pub fn has_new_hooks(
+    node: &NodeRef,
+    planned: &PlannedHooks,
+    tensor_pre_only: bool,
+) -> Result<bool, ShimError> {
     let planned = planned.raw();
     let mut out: c_int = 0;
     // SAFETY: `planned` and `out` outlive the call.
-    check(unsafe { rg_node_has_new_hooks(node.as_ptr(), &planned, &mut out) })?;
+    check(unsafe { rg_node_has_new_hooks(node.as_ptr(), &planned, tensor_pre_only as c_int, &mut out) })?;
     Ok(out != 0)
 }
 

@@ -143,17 +143,19 @@ impl Plan {
     }
 
     /// Whether the step's node got hooks since it was planned (registered by an earlier
-    /// hook of this backward).
+    /// hook of this backward); for a skipped step, tensor pre-hooks or retains_grad hooks,
+    /// all the engine calls for a node it does not run.
     pub fn has_new_hooks(&self, step: u32) -> Result<bool, ShimError> {
         let s = self.check_step(step)?;
-        ffi::has_new_hooks(self.node(step)?, &self.planned_hooks(s))
+        let skipped = self.layout.steps[s].mode == StepMode::Skipped;
+        ffi::has_new_hooks(self.node(step)?, &self.planned_hooks(s), skipped)
     }
 
-    /// The traced steps whose nodes got hooks since they were planned.
-    pub fn traced_steps_with_new_hooks(&self) -> Result<Vec<u32>, ShimError> {
+    /// The steps of the given mode whose nodes got hooks since they were planned.
+    pub fn steps_with_new_hooks(&self, mode: StepMode) -> Result<Vec<u32>, ShimError> {
         let mut out = Vec::new();
         for (s, step) in self.layout.steps.iter().enumerate() {
-            if step.mode == StepMode::Traced && self.has_new_hooks(s as u32)? {
+            if step.mode == mode && self.has_new_hooks(s as u32)? {
                 out.push(s as u32);
             }
         }

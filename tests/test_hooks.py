@@ -714,6 +714,38 @@ def test_tensor_hook_added_during_backward_on_an_input_of_grad():
     assert_same(tuple(expected[1]), tuple(got[1]), True, "grads")
 
 
+def test_tensor_hook_added_during_a_compiled_backward_on_an_input_of_grad(caplog):
+    # As above, compiled: the step of h's node is not needed and traced with the hooks it
+    # had when the call was planned. The first call misses the new one and says so; later
+    # calls call the node's tensor pre-hooks outside the graph there, as in eager.
+    def run(grad):
+        torch.manual_seed(0)
+        log = []
+        x = torch.randn(3, requires_grad=True)
+        w = torch.randn(3, requires_grad=True)
+        h = x * 2
+        out = (h * w).sin()
+        out.register_hook(
+            lambda g: h.register_hook(lambda g: log.append(("late", summary(g))) or g * 10) and None
+        )
+        return log, grad(out.sum(), [h])
+
+    def compiled(*args):
+        return replaygrad.grad(*args, compiler="aot_eager")
+
+    expected = run(torch.autograd.grad)
+    with caplog.at_level(logging.WARNING, logger="replaygrad"):
+        run(compiled)
+    assert "hooks were registered during a compiled backward" in caplog.text
+    assert "MulBackward0 (step 3)" in caplog.text
+    caplog.clear()
+    for _ in range(2):
+        got = run(compiled)
+        assert_same(tuple(expected[0]), tuple(got[0]), True, "log")
+        assert_same(tuple(expected[1]), tuple(got[1]), False, "grads")
+    assert "hooks were registered" not in caplog.text
+
+
 @pytest.mark.parametrize("compiler", FAST_COMPILERS)
 def test_hook_added_during_backward_to_a_leaf_whose_hooks_were_removed(compiler):
     # The leaf's hook dict is left empty by a removed hook (the replay skips such a hook);

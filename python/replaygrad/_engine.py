@@ -309,10 +309,15 @@ def _hooks_registered_during(entry: Entry, plan: _core.Plan, config: Config, hoo
     ``RemovableHandle``, numbered in order). A traced step calls the hooks its node had
     when the call was planned, and a Python hook traced into the graph the callables its
     dict had then (``hooks``), so a hook registered during the backward was not called if
-    its node had not run yet. Later calls run such steps as themselves, where a node calls
-    the hooks it got since the call was planned, and such hooks outside the graph, where
-    they read their dict when reached, as the engine does."""
-    steps = set(plan.traced_steps_with_new_hooks()) - entry.opaque
+    its node had not run yet; nor does a step the call does not need call the tensor
+    pre-hooks its node got (the engine does, before taking ``autograd.grad``'s captures
+    there). Later calls run such steps as themselves, where a node calls the hooks it got
+    since the call was planned (a step not needed, its tensor pre-hooks only), and such
+    hooks outside the graph, where they read their dict when reached, as the engine does."""
+    # Nodes the call does not need count too: the engine calls their tensor pre-hooks
+    # (before taking autograd.grad's captures there).
+    steps = {*plan.traced_steps_with_new_hooks(), *plan.skipped_steps_with_new_hooks()}
+    steps -= entry.opaque
     added = entry.replay.hooks_in_graph and any(
         fn not in before
         for fns, before in zip(hook_arguments(plan.hook_dicts(), True), hooks)

@@ -579,6 +579,11 @@ def _no_new_tensor_pre_hooks(deferred: list, step: int, values: list) -> list:
     return values
 
 
+late_tensor_pre_hooks = torch._dynamo.disable(new_tensor_pre_hooks)
+late_tensor_pre_hooks.__doc__ = """:func:`new_tensor_pre_hooks` at a step that is not needed,
+in any replay: its node got tensor pre-hooks during an earlier backward, and may again."""
+
+
 @torch._dynamo.disable
 def cpp_post_hook(deferred: list, step: int, position: int, outputs: tuple, inputs: list) -> tuple:
     with _outside_graph(deferred, step) as plan_step:
@@ -879,6 +884,7 @@ _RUNTIME = {
     "cpp_pre_hook": cpp_pre_hook,
     "cpp_post_hook": cpp_post_hook,
     "new_tensor_pre_hooks": _no_new_tensor_pre_hooks,
+    "late_tensor_pre_hooks": late_tensor_pre_hooks,
     "tensor_pre_hook": tensor_pre_hook,
     "pre_hook": pre_hook,
     "post_hook": post_hook,
@@ -1070,14 +1076,15 @@ def _meta(value: Any) -> Any:
 
 def outside_steps(steps: list, hooks_in_graph: bool, opaque: frozenset[int]) -> tuple[int, ...]:
     """The steps where the replay runs something outside the graph (a node run as itself, an
-    AccumulateGrad run in place, a C++ hook, a Python hook when hooks are not traced), in
-    order: the points after which saved values may have been modified."""
+    AccumulateGrad run in place, a C++ hook, a Python hook when hooks are not traced, the
+    late tensor pre-hooks of a step not needed), in order: the points after which saved
+    values may have been modified."""
     out = []
     for s, step in enumerate(steps):
         mode, hooks = step[2], step[10]
         if (
             mode in ("opaque", "eager_accumulate")
-            or (mode == "traced" and s in opaque)
+            or (mode in ("traced", "skipped") and s in opaque)
             or any(
                 not python or not hooks_in_graph
                 for kind, _, python, _ in hooks
@@ -1136,7 +1143,8 @@ def _region_source(
 
     ``hooks_in_graph=False`` calls Python hooks outside the graph (``*_outside``: graph
     breaks under Dynamo), after the deferred effects before them, as everything else that
-    runs outside the graph does. Traced steps in ``opaque`` run as opaque ones.
+    runs outside the graph does. Traced steps in ``opaque`` run as opaque ones; skipped
+    ones call their node's late tensor pre-hooks (see :data:`late_tensor_pre_hooks`).
     ``escapes=False`` keeps traced hooks in the graph whatever their gradients (see
     :func:`_overlapping`). ``unpacked``: traced steps whose last saved values are unpacked
     when the replay runs, as (first step of their group, the group's steps, count); the
@@ -1288,7 +1296,11 @@ def _region_source(
             body.append("deferred.append(i[0])")
         elif mode == "skipped":
             # Not needed: popped only to run its tensor pre-hooks and take its captures.
-            if where == "_outside":
+            if s in opaque:
+                # Its node got tensor pre-hooks during an earlier backward (see
+                # _engine._hooks_registered_during): called outside the graph.
+                body.append(f"i = late_tensor_pre_hooks(deferred, {k}, i)")
+            elif where == "_outside":
                 body.append(f"i = new_tensor_pre_hooks(deferred, {k}, i)")
             body.extend(capture_lines)
         else:

@@ -346,7 +346,7 @@ fn a_graph_just_planned_has_no_new_hooks() {
         assert!(!plan.has_new_hooks(s).expect("live hooks"), "step {s}");
     }
     assert!(plan
-        .traced_steps_with_new_hooks()
+        .steps_with_new_hooks(StepMode::Traced)
         .expect("traced steps")
         .is_empty());
     assert!(plan.has_new_hooks(plan.num_steps() as u32).is_err());
