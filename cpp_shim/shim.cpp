@@ -1374,7 +1374,7 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
   // One node at a time: the previous node's call is not needed any more, and a map of all
   // of them would only grow (rehashing) and be freed at the end.
   compiler.node_calls.clear();
-  auto& node_call = compiler.node_calls.lookup(node_ptr);
+  torch::dynamo::autograd::NodeCall node_call(0, std::move(node_ptr));
   CompiledNodeArgs args(compiler, node_call);
   auto opaque = [&] {
     *supported = 0;
