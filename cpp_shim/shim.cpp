@@ -1442,9 +1442,9 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
     if (arg->defined()) {
       const at::Tensor& source = compiler.tensor_args.inputs[arg->index()];
       const size_t slot = c->values.size();
-      const void* impl = source.unsafeGetTensorImpl();
+      const c10::TensorImpl* impl = source.unsafeGetTensorImpl();
       const void* same = impl;
-      if (auto wrapped = wrapped_value(source.unsafeGetTensorImpl())) {
+      if (auto wrapped = wrapped_value(impl)) {
         same = c->first_wrapped.try_emplace(*wrapped, impl).first->second;
       }
       const size_t first = c->first_slot.find_or_insert(same, slot);

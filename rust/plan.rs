@@ -151,11 +151,13 @@ impl Plan {
         ffi::has_new_hooks(self.node(step)?, &self.planned_hooks(s), skipped)
     }
 
-    /// The steps of the given mode whose nodes got hooks since they were planned.
-    pub fn steps_with_new_hooks(&self, mode: StepMode) -> Result<Vec<u32>, ShimError> {
+    /// The traced and skipped steps whose nodes got hooks since they were planned (see
+    /// [`Plan::has_new_hooks`]): those a compiled replay does not call.
+    pub fn steps_with_new_hooks(&self) -> Result<Vec<u32>, ShimError> {
         let mut out = Vec::new();
         for (s, step) in self.layout.steps.iter().enumerate() {
-            if step.mode == mode && self.has_new_hooks(s as u32)? {
+            let mode = step.mode;
+            if (mode == StepMode::Traced || mode == StepMode::Skipped) && self.has_new_hooks(s as u32)? {
                 out.push(s as u32);
             }
         }

@@ -398,16 +398,11 @@ impl PyPlan {
     }
 
     /// The traced steps whose nodes got hooks since the call was planned (registered during
-    /// the backward, which a compiled replay's traced steps do not call).
-    fn traced_steps_with_new_hooks(&self) -> PyResult<Vec<u32>> {
-        Ok(self.plan.steps_with_new_hooks(StepMode::Traced)?)
-    }
-
-    /// The skipped steps (nodes the call does not need, whose tensor pre-hooks the engine
-    /// calls all the same) whose nodes got tensor pre-hooks since the call was planned,
-    /// which a compiled replay with its hooks in the graph does not call.
-    fn skipped_steps_with_new_hooks(&self) -> PyResult<Vec<u32>> {
-        Ok(self.plan.steps_with_new_hooks(StepMode::Skipped)?)
+    /// the backward), and the skipped ones (nodes the call does not need, whose tensor
+    /// pre-hooks the engine calls all the same) whose nodes got tensor pre-hooks: hooks a
+    /// compiled replay does not call.
+    fn steps_with_new_hooks(&self) -> PyResult<Vec<u32>> {
+        Ok(self.plan.steps_with_new_hooks()?)
     }
 
     /// Calls the tensor pre-hooks and retains_grad hooks the step's node got since the call

@@ -316,8 +316,7 @@ def _hooks_registered_during(entry: Entry, plan: _core.Plan, config: Config, hoo
     hooks outside the graph, where they read their dict when reached, as the engine does."""
     # Nodes the call does not need count too: the engine calls their tensor pre-hooks
     # (before taking autograd.grad's captures there).
-    steps = {*plan.traced_steps_with_new_hooks(), *plan.skipped_steps_with_new_hooks()}
-    steps -= entry.opaque
+    steps = set(plan.steps_with_new_hooks()) - entry.opaque
     added = entry.replay.hooks_in_graph and any(
         fn not in before
         for fns, before in zip(hook_arguments(plan.hook_dicts(), True), hooks)

@@ -579,9 +579,11 @@ def _no_new_tensor_pre_hooks(deferred: list, step: int, values: list) -> list:
     return values
 
 
-late_tensor_pre_hooks = torch._dynamo.disable(new_tensor_pre_hooks)
-late_tensor_pre_hooks.__doc__ = """:func:`new_tensor_pre_hooks` at a step that is not needed,
-in any replay: its node got tensor pre-hooks during an earlier backward, and may again."""
+@torch._dynamo.disable
+def late_tensor_pre_hooks(deferred: list, step: int, values: list) -> list:
+    """:func:`new_tensor_pre_hooks` at a step that is not needed, in any replay: its node
+    got tensor pre-hooks during an earlier backward, and may again."""
+    return new_tensor_pre_hooks(deferred, step, values)
 
 
 @torch._dynamo.disable
@@ -1144,7 +1146,7 @@ def _region_source(
     ``hooks_in_graph=False`` calls Python hooks outside the graph (``*_outside``: graph
     breaks under Dynamo), after the deferred effects before them, as everything else that
     runs outside the graph does. Traced steps in ``opaque`` run as opaque ones; skipped
-    ones call their node's late tensor pre-hooks (see :data:`late_tensor_pre_hooks`).
+    ones call their node's late tensor pre-hooks (see :func:`late_tensor_pre_hooks`).
     ``escapes=False`` keeps traced hooks in the graph whatever their gradients (see
     :func:`_overlapping`). ``unpacked``: traced steps whose last saved values are unpacked
     when the replay runs, as (first step of their group, the group's steps, count); the

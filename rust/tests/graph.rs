@@ -346,8 +346,8 @@ fn a_graph_just_planned_has_no_new_hooks() {
         assert!(!plan.has_new_hooks(s).expect("live hooks"), "step {s}");
     }
     assert!(plan
-        .steps_with_new_hooks(StepMode::Traced)
-        .expect("traced steps")
+        .steps_with_new_hooks()
+        .expect("steps with new hooks")
         .is_empty());
     assert!(plan.has_new_hooks(plan.num_steps() as u32).is_err());
 }
