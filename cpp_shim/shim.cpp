@@ -354,6 +354,8 @@ using torch::autograd::GraphTask;
 PyObject* engine_callback = nullptr; // strong reference, set while the hook is installed
 thread_local bool engine_enabled = false;
 thread_local bool in_callback = false;
+// rg_warnings_push's handlers, innermost last.
+thread_local std::vector<std::unique_ptr<torch::PyWarningHandler>> warning_handlers;
 constexpr const char* kCallCapsule = "replaygrad.engine_call";
 constexpr const char* kExpiredCapsule = "replaygrad.engine_call (expired)";
 
@@ -1879,6 +1881,24 @@ void rg_engine_set_enabled(int enabled) {
 
 int rg_engine_enabled(void) {
   return engine_enabled ? 1 : 0;
+}
+
+rg_status rg_warnings_push(void) {
+  RG_TRY
+  warning_handlers.push_back(std::make_unique<torch::PyWarningHandler>());
+  RG_CATCH
+}
+
+rg_status rg_warnings_pop(int in_exception) {
+  RG_TRY
+  TORCH_CHECK(!warning_handlers.empty(), "rg_warnings_pop without rg_warnings_push");
+  std::unique_ptr<torch::PyWarningHandler> handler = std::move(warning_handlers.back());
+  warning_handlers.pop_back();
+  if (in_exception) {
+    handler->set_in_exception();
+  }
+  handler.reset(); // issues the warnings; throws python_error for one turned into an error
+  RG_CATCH
 }
 
 rg_status rg_engine_call_info(PyObject* capsule, size_t* n_roots, size_t* n_outputs,

@@ -256,6 +256,13 @@ rg_status rg_engine_hook_uninstall(void);
 // Whether backward calls on this thread go to the callback.
 void rg_engine_set_enabled(int enabled);
 int rg_engine_enabled(void);
+// Buffers the C++ warnings raised on this thread (torch's PyWarningHandler, which a Python
+// binding of torch installs around its call, as the engine's run_backward does) until the
+// matching rg_warnings_pop issues them as Python warnings (RG_PYTHON_ERROR: one was turned
+// into an error by a filter; with in_exception, such a warning is printed instead). Pushes
+// and pops pair up, innermost first, on one thread. Need the GIL.
+rg_status rg_warnings_push(void);
+rg_status rg_warnings_pop(int in_exception);
 // The call's shape: root count, output (inputs=) count, and the GraphTask's flags.
 rg_status rg_engine_call_info(PyObject* capsule, size_t* n_roots, size_t* n_outputs,
                               int* accumulate_grad, int* keep_graph, int* create_graph);

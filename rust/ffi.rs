@@ -211,6 +211,8 @@ extern "C" {
     fn rg_engine_hook_uninstall() -> c_int;
     fn rg_engine_set_enabled(enabled: c_int);
     fn rg_engine_enabled() -> c_int;
+    fn rg_warnings_push() -> c_int;
+    fn rg_warnings_pop(in_exception: c_int) -> c_int;
     fn rg_engine_call_info(
         capsule: PyObjectPtr,
         n_roots: *mut usize,
@@ -1016,6 +1018,23 @@ pub fn engine_hook_uninstall() -> Result<(), ShimError> {
 pub fn engine_set_enabled(enabled: bool) {
     // SAFETY: sets a thread-local flag.
     unsafe { rg_engine_set_enabled(c_int::from(enabled)) }
+}
+
+/// Buffers this thread's C++ warnings until [`warnings_pop`] issues them as Python warnings
+/// (see cpp_shim/shim.h, rg_warnings_push).
+///
+/// # Safety
+/// The GIL must be held.
+pub unsafe fn warnings_push() -> Result<(), ShimError> {
+    check(rg_warnings_push())
+}
+
+/// Issues the warnings buffered since the matching [`warnings_push`] as Python warnings.
+///
+/// # Safety
+/// The GIL must be held.
+pub unsafe fn warnings_pop(in_exception: bool) -> Result<(), ShimError> {
+    check(rg_warnings_pop(c_int::from(in_exception)))
 }
 
 pub fn engine_enabled() -> bool {

@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use tch::Tensor;
 
 use crate::errors::{ErrorKind, ShimError};
-use crate::ffi::{self, HookKind, NodeRef, PlannedHooks};
+use crate::ffi::{self, HookKind, NodeKind, NodeRef, PlannedHooks};
 use crate::graph::{snapshot, Snapshot};
 use crate::layout::{layout, HookRef, Layout, StepMode};
 use crate::order::{schedule, ExecInfo, Schedule};
@@ -60,6 +60,41 @@ impl Plan {
             layout,
             tensor_pre_done: Mutex::default(),
         })
+    }
+
+    /// Whether the call runs nothing but torch's own formulas and accumulations: no Python
+    /// Function or C++ custom Function, no hook but retains_grad's, no step that runs as
+    /// itself, no saved value behind saved_tensors_hooks. No code of the user's runs during
+    /// such a call, so none can tell whether the engine runs it (its current graph task,
+    /// `queue_callback`, the current node).
+    pub fn runs_only_formulas(&self) -> bool {
+        let graph = &self.snapshot.graph;
+        self.schedule.steps.iter().all(|&n| {
+            matches!(
+                graph.nodes[n as usize].kind,
+                NodeKind::Generic | NodeKind::AccumulateGrad
+            )
+        }) && self
+            .layout
+            .steps
+            .iter()
+            .all(|s| matches!(s.mode, StepMode::Traced | StepMode::DeferredAccumulate) && s.hooked == 0)
+            && self
+                .layout
+                .hooks
+                .iter()
+                .all(|h| h.kind == HookKind::RetainsGrad && !h.python)
+    }
+
+    /// Whether this plan is of a backward from `roots` (the same nodes and input numbers, in
+    /// order).
+    pub fn has_roots(&self, roots: &[(NodeRef, u32)]) -> bool {
+        let graph = &self.snapshot.graph;
+        graph.roots.len() == roots.len()
+            && graph.roots.iter().zip(roots).all(|(edge, (node, input_nr))| {
+                edge.input_nr == *input_nr
+                    && self.snapshot.handles[edge.node as usize].as_ptr() == node.as_ptr()
+            })
     }
 
     pub fn num_steps(&self) -> usize {

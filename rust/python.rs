@@ -112,6 +112,32 @@ struct CallData {
 
 #[pymethods]
 impl PyPlan {
+    /// Whether the call runs nothing but torch's formulas and accumulations (no code of the
+    /// user's: see `Plan::runs_only_formulas`), so that it can run without the engine.
+    #[getter]
+    fn runs_only_formulas(&self) -> bool {
+        self.plan.runs_only_formulas()
+    }
+
+    /// Takes the engine's call behind `call` (the capsule the hook passed) as this plan's
+    /// when it is the plain backward() the plan was made for by `plan_backward` (the same
+    /// roots): its validated root gradients and flags replace the plan's. False (and the
+    /// plan unchanged) for any other call.
+    fn adopt(&mut self, call: &Bound<'_, PyAny>) -> PyResult<bool> {
+        // SAFETY: live object, GIL held.
+        let call = unsafe { EngineCall::read(call.as_ptr()) }?;
+        let plain = call.outputs.is_none() && call.accumulate_grad && !call.create_graph;
+        if !plain || self.call.is_none() || !self.plan.has_roots(&call.roots) {
+            return Ok(false);
+        }
+        self.call = Some(CallData {
+            root_grads: call.root_grads,
+            accumulate_grad: true,
+            keep_graph: call.keep_graph,
+        });
+        Ok(true)
+    }
+
     /// Hex digest of everything a compiled replay specialises on.
     #[getter]
     fn key(&self) -> String {
@@ -576,17 +602,8 @@ fn is_tensor(item: &Bound<'_, PyAny>) -> bool {
     unsafe { tch::python::pyobject_check(item.as_ptr() as *mut _) }.unwrap_or(false)
 }
 
-/// Plans the backward of `roots` (tensors or GradientEdges): walks the graph, orders it as
-/// the engine would and lays out its saved values. With `inputs` (tensors or
-/// GradientEdges), plans a backward with respect to them: accumulating into them
-/// (`backward(inputs=)`) or capturing their gradients (`autograd.grad`).
-#[pyfunction]
-#[pyo3(signature = (roots, inputs=None, accumulate_grad=true))]
-fn plan(
-    roots: &Bound<'_, PyAny>,
-    inputs: Option<&Bound<'_, PyAny>>,
-    accumulate_grad: bool,
-) -> PyResult<PyPlan> {
+/// The gradient edges of `roots` (tensors or GradientEdges).
+fn root_edges(roots: &Bound<'_, PyAny>) -> PyResult<Vec<(NodeRef, u32)>> {
     let mut edges = Vec::new();
     for (i, item) in roots.try_iter()?.enumerate() {
         let item = item?;
@@ -606,6 +623,21 @@ fn plan(
             }
         }
     }
+    Ok(edges)
+}
+
+/// Plans the backward of `roots` (tensors or GradientEdges): walks the graph, orders it as
+/// the engine would and lays out its saved values. With `inputs` (tensors or
+/// GradientEdges), plans a backward with respect to them: accumulating into them
+/// (`backward(inputs=)`) or capturing their gradients (`autograd.grad`).
+#[pyfunction]
+#[pyo3(signature = (roots, inputs=None, accumulate_grad=true))]
+fn plan(
+    roots: &Bound<'_, PyAny>,
+    inputs: Option<&Bound<'_, PyAny>>,
+    accumulate_grad: bool,
+) -> PyResult<PyPlan> {
+    let edges = root_edges(roots)?;
     let outputs = match inputs {
         None => None,
         Some(inputs) => {
@@ -631,6 +663,33 @@ fn plan(
     })
 }
 
+/// Plans `torch.autograd.backward(tensors, grads, retain_graph=keep_graph)` (no `inputs=`,
+/// create_graph=False) as the engine would plan it, for replaygrad to run without the engine:
+/// `grads` are taken as the engine's validated root gradients (the caller checked that
+/// validate_outputs would keep them as they are).
+#[pyfunction]
+fn plan_backward(tensors: &Bound<'_, PyAny>, grads: &Bound<'_, PyAny>, keep_graph: bool) -> PyResult<PyPlan> {
+    let roots = root_edges(tensors)?;
+    let root_grads = to_tensors(grads, "grads")?;
+    if root_grads.len() != roots.len() {
+        return Err(PyValueError::new_err(format!(
+            "got {} gradients for {} tensors",
+            root_grads.len(),
+            roots.len()
+        )));
+    }
+    Ok(PyPlan {
+        plan: Plan::build(&roots)?,
+        call: Some(CallData {
+            root_grads,
+            accumulate_grad: true,
+            keep_graph,
+        }),
+        effects_done: AtomicUsize::new(0),
+        released: AtomicUsize::new(0),
+    })
+}
+
 /// Plans the backward call the engine handed to the hook's callback (`call` is the capsule
 /// it passed). Returns None for calls replaygrad leaves to the engine (create_graph=True).
 #[pyfunction]
@@ -651,6 +710,39 @@ fn plan_engine_call(call: &Bound<'_, PyAny>) -> PyResult<Option<PyPlan>> {
         effects_done: AtomicUsize::new(0),
         released: AtomicUsize::new(0),
     }))
+}
+
+/// `with CppWarnings():` buffers the C++ warnings raised on this thread while the block runs
+/// and issues them as Python warnings when it ends, as a Python binding of torch (the
+/// engine's `run_backward` among them) does around its call; code that calls torch's C++
+/// without a binding (the shim runs nodes and hooks) would otherwise log them. A warning
+/// turned into an error by a filter is raised at the end of the block, or printed when
+/// the block raises.
+#[pyclass(module = "replaygrad._core")]
+struct CppWarnings;
+
+#[pymethods]
+impl CppWarnings {
+    #[new]
+    fn new() -> Self {
+        CppWarnings
+    }
+
+    fn __enter__(&self) -> PyResult<()> {
+        // SAFETY: GIL held.
+        Ok(unsafe { ffi::warnings_push() }?)
+    }
+
+    fn __exit__(
+        &self,
+        exc_type: &Bound<'_, PyAny>,
+        _exc_value: &Bound<'_, PyAny>,
+        _traceback: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        // SAFETY: GIL held.
+        unsafe { ffi::warnings_pop(!exc_type.is_none()) }?;
+        Ok(false)
+    }
 }
 
 /// Installs the engine hook: Engine::execute hands backward calls on enabled threads to
@@ -713,6 +805,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(same_node, m)?)?;
     m.add_function(wrap_pyfunction!(only_types, m)?)?;
     m.add_function(wrap_pyfunction!(plan_engine_call, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_backward, m)?)?;
+    m.add_class::<CppWarnings>()?;
     m.add_function(wrap_pyfunction!(engine_hook_install, m)?)?;
     m.add_function(wrap_pyfunction!(engine_hook_uninstall, m)?)?;
     m.add_function(wrap_pyfunction!(engine_set_enabled, m)?)?;

@@ -350,3 +350,170 @@ def test_a_single_roots_node_is_not_in_the_graph(create_graph):
     got = run(lambda loss: replaygrad.backward(loss, create_graph=create_graph, compiler=None))
     assert_replayed(before, calls=0 if create_graph else 1)
     assert got == expected
+
+
+class _Spy:
+    """Counts the calls made to a function (kept as ``real``)."""
+
+    def __init__(self, real):
+        self.real = real
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.real(*args, **kwargs)
+
+
+@pytest.fixture
+def engine_calls(monkeypatch):
+    """Counts the backward calls torch.autograd hands to the engine, and the plans made by
+    the engine hook (``plan_engine_call``) and in front of the engine (``plan_backward``)."""
+    from replaygrad import _core, _engine
+
+    spies = {
+        "engine": _Spy(_engine._torch_engine_run_backward),
+        "plan_engine_call": _Spy(_core.plan_engine_call),
+        "plan_backward": _Spy(_core.plan_backward),
+    }
+    monkeypatch.setattr(_engine, "_torch_engine_run_backward", spies["engine"])
+    monkeypatch.setattr(_core, "plan_engine_call", spies["plan_engine_call"])
+    monkeypatch.setattr(_core, "plan_backward", spies["plan_backward"])
+    return lambda: {name: spy.calls for name, spy in spies.items()}
+
+
+def _formulas_only(backward):
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(3, requires_grad=True)
+    h = (x * w).sin()
+    h.retain_grad()  # a C++ hook of torch's: nothing of the user's runs
+    backward((h * 0.5 + x.exp()).sum())
+    return x.grad, w.grad, h.grad
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_a_backward_of_torchs_formulas_runs_without_the_engine(engine_calls, compiler):
+    expected = _formulas_only(lambda loss: loss.backward())
+    before = replaygrad.cache_info()
+    with replaygrad.enable(compiler):
+        got = _formulas_only(lambda loss: loss.backward())
+    assert_replayed(before)
+    assert engine_calls() == {"engine": 0, "plan_engine_call": 0, "plan_backward": 1}
+    for e, g in zip(expected, got):
+        if compiler is None:
+            assert torch.equal(e, g)
+        else:
+            torch.testing.assert_close(g, e)
+
+
+def _with_user_code(kind: str, backward):
+    torch.manual_seed(0)
+    x = torch.randn(3, requires_grad=True)
+    seen = []
+    if kind == "saved_tensors_hooks":
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: seen.append(1) or t):
+            h = x.sin()
+    elif kind == "custom Function":
+        h = Doubling.apply(x.sin())
+    else:
+        h = x.sin()
+        h.register_hook(lambda g: seen.append(torch._C._current_graph_task_id() != -1))
+    backward(h.exp().sum())
+    return x.grad, seen
+
+
+@pytest.mark.parametrize("kind", ["tensor hook", "custom Function", "saved_tensors_hooks"])
+def test_a_backward_running_user_code_runs_in_the_engine_planned_once(engine_calls, kind):
+    expected = _with_user_code(kind, lambda loss: loss.backward())
+    before = replaygrad.cache_info()
+    with replaygrad.enable("aot_eager"):
+        got = _with_user_code(kind, lambda loss: loss.backward())
+    assert_replayed(before)
+    # Planned in front of the engine, then handed to its hook: not planned again.
+    assert engine_calls() == {"engine": 1, "plan_engine_call": 0, "plan_backward": 1}
+    torch.testing.assert_close(got[0], expected[0])
+    assert got[1] == expected[1]
+
+
+@pytest.mark.parametrize(
+    "grad",
+    [
+        torch.tensor(2.0, dtype=torch.float64),  # validate_outputs casts these two
+        torch.tensor(2.0, dtype=torch.float16),
+        torch.tensor(2.0, dtype=torch.complex64),  # and raises on this one
+    ],
+    ids=["float64", "float16", "complex64"],
+)
+def test_root_gradients_the_engine_would_change_go_to_the_engine(engine_calls, grad):
+    def run(backward):
+        x = torch.randn(3, requires_grad=True, generator=torch.Generator().manual_seed(0))
+        loss = x.exp().sum()
+        try:
+            backward(loss)
+        except RuntimeError as error:
+            return str(error)
+        return x.grad
+
+    expected = run(lambda loss: loss.backward(grad))
+    with replaygrad.enable(None):
+        got = run(lambda loss: loss.backward(grad))
+    assert engine_calls()["plan_backward"] == 0
+    if isinstance(expected, str):
+        assert got == expected
+    else:
+        assert torch.equal(got, expected)
+
+
+def test_backward_calls_made_while_compiling_run_in_the_engine(engine_calls):
+    inner = []
+
+    def compiler(fn):
+        z = torch.ones(3, requires_grad=True)
+        with torch.enable_grad():
+            (z * z).sum().backward()
+        inner.append(z.grad)
+        return fn
+
+    x = torch.randn(3, requires_grad=True)
+    before = replaygrad.cache_info()
+    replaygrad.backward(x.exp().sum(), compiler=compiler)
+    assert_replayed(before)  # the inner backward was not replayed
+    assert [g.tolist() for g in inner] == [[2.0, 2.0, 2.0]]
+    torch.testing.assert_close(x.grad, x.exp())
+
+
+def test_a_second_backward_through_a_graph_without_the_engine(engine_calls):
+    def run(backward):
+        x = torch.randn(3, requires_grad=True, generator=torch.Generator().manual_seed(0))
+        loss = (x.sin() * 2).sum()
+        backward(loss, retain_graph=True)
+        backward(loss)
+        with pytest.raises(RuntimeError) as error:
+            backward(loss)
+        return x.grad, str(error.value)
+
+    expected = run(lambda loss, **kw: loss.backward(**kw))
+    with replaygrad.enable(None):
+        got = run(lambda loss, **kw: loss.backward(**kw))
+    assert torch.equal(got[0], expected[0])
+    assert got[1] == expected[1]
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_a_nested_tensor_root_goes_to_the_engine(engine_calls):
+    # A nested root's shape is no sizes: it is not compared, the engine takes the call.
+    def run(backward):
+        a = torch.arange(6.0).reshape(2, 3).requires_grad_()
+        b = torch.arange(8.0).reshape(2, 4).requires_grad_()
+        nt = torch.nested.as_nested_tensor([a, b])
+        out = nt.sin() * 2
+        grad = torch.nested.nested_tensor([torch.ones(2, 3), torch.full((2, 4), 2.0)])
+        backward(out, grad)
+        return a.grad, b.grad
+
+    expected = run(lambda out, grad: out.backward(grad))
+    with replaygrad.enable(None):
+        got = run(lambda out, grad: out.backward(grad))
+    assert engine_calls()["plan_backward"] == 0
+    for e, g in zip(expected, got):
+        assert torch.equal(e, g)

@@ -1,14 +1,19 @@
 """Where backward calls enter replaygrad.
 
-replaygrad takes over inside the engine, not in front of it. ``torch.autograd.backward`` and
-``torch.autograd.grad`` reach ``Engine::execute`` as usual: torch validates the arguments,
-the engine checks the root gradients, builds its GraphTask (dependencies, exec_info) and
-makes it current. Then, instead of running the graph, it hands the call to the function in
-its compiled-autograd slot, which replaygrad's shim fills (``_core.engine_hook_install``).
-On a thread where replaygrad is enabled, that hook calls :func:`_on_engine_call` with the
-call; everywhere else (other threads, backward calls made inside a replay) the engine runs
-as it always does. So errors, ``queue_callback``, ``_current_graph_task_id`` and the other
-GraphTask-dependent APIs behave as in eager.
+replaygrad takes over inside the engine, or in front of it where nothing can tell.
+``torch.autograd.backward`` and ``torch.autograd.grad`` reach ``Engine::execute`` as usual:
+torch validates the arguments, the engine checks the root gradients, builds its GraphTask
+(dependencies, exec_info) and makes it current. Then, instead of running the graph, it hands
+the call to the function in its compiled-autograd slot, which replaygrad's shim fills
+(``_core.engine_hook_install``). On a thread where replaygrad is enabled, that hook calls
+:func:`_on_engine_call` with the call; everywhere else (other threads, backward calls made
+inside a replay) the engine runs as it always does. So errors, ``queue_callback``,
+``_current_graph_task_id`` and the other GraphTask-dependent APIs behave as in eager.
+
+A plain ``backward()`` whose replay runs no code of the user's (no hook but retains_grad's,
+no custom Function, no saved_tensors_hooks), which therefore cannot observe the GraphTask,
+is replayed before it reaches the engine (:func:`_engine_run_backward`): the engine's
+dependency count and GraphTask cost about as much as planning the call.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from ._replay import (
     node_error,
     non_strided_steps,
     reads_current_node,
+    replaying,
     running,
     traced_step,
 )
@@ -92,15 +98,110 @@ def _ca_disable() -> Iterator[None]:
 _torch_current_autograd_node = torch._C._current_autograd_node
 
 
+_torch_engine_run_backward = torch.autograd._engine_run_backward
+
+
 def _patch_torch(install: bool) -> None:
     if install:
         _ca_module.set_autograd_compiler = _set_autograd_compiler
         torch._dynamo.compiled_autograd._disable = _ca_disable
         torch._C._current_autograd_node = current_autograd_node
+        torch.autograd._engine_run_backward = _engine_run_backward
     else:
         _ca_module.set_autograd_compiler = _torch_set_autograd_compiler
         torch._dynamo.compiled_autograd._disable = _torch_ca_disable
         torch._C._current_autograd_node = _torch_current_autograd_node
+        torch.autograd._engine_run_backward = _torch_engine_run_backward
+
+
+#: What :func:`_engine_run_backward` leaves for the hook: the plan of the call the engine is
+#: given next, or this marker for "the engine runs it".
+_ENGINE_RUNS = object()
+
+
+def _engine_run_backward(outputs: Any, *args: Any, **kwargs: Any) -> tuple:
+    """``torch.autograd``'s call into the engine (after it made and checked the root
+    gradients), while replaygrad is installed. A plain ``backward()`` on an enabled thread
+    whose replay runs torch's formulas only is replayed here, without the engine: its
+    GraphTask and dependency count, which nothing in such a call can observe, cost about as
+    much as planning it (see :func:`_replay_without_engine`). Any other call goes to the
+    engine, and through its hook."""
+    if (
+        kwargs.get("accumulate_grad") is True
+        and len(args) == 4
+        and not args[2]  # create_graph
+        and not args[3]  # inputs=
+        and _replay_without_engine(outputs, args[0], args[1])
+    ):
+        return ()
+    try:
+        return _torch_engine_run_backward(outputs, *args, **kwargs)
+    finally:
+        _tls.planned = None
+
+
+def _replay_without_engine(tensors: tuple, grads: tuple, retain_graph: bool) -> bool:
+    """Replays ``backward(tensors, grads)`` without the engine, if nothing can tell the
+    difference; False to have the engine take the call (then handing a plan made here to
+    the hook, so that the call is planned once).
+
+    Nothing can when no code of the user's runs during the call (no hook but
+    retains_grad's, no custom Function, no saved_tensors_hooks, no step that runs as
+    itself: ``Plan.runs_only_formulas``), the call is no backward within a backward (inside
+    a replay or a node the engine runs) and the engine would take the root gradients as
+    they are (each of the root's dtype, device, shape and layout; ``_make_grads`` checked
+    the shapes, validate_outputs would cast or reduce the others). The engine also takes
+    calls made while it logs every node (``TORCH_LOGS``), profiles or detects anomalies,
+    and those of torch's transforms and modes."""
+    config = current_config()
+    if (
+        config is None
+        or _disable_depth
+        or getattr(_tls, "without_engine", False)
+        or replaying()
+        or torch._C._current_graph_task_id() != -1
+        or _torch_compiled_autograd_enabled()
+        or torch._C._autograd._profiler_enabled()
+        or torch.autograd.graph.log.getEffectiveLevel() <= logging.DEBUG
+        or _engine_only_reason() is not None
+    ):
+        return False
+    if len(tensors) != len(grads):
+        return False  # the engine raises
+    for t, g in zip(tensors, grads):
+        if not (
+            type(t) is torch.Tensor
+            and type(g) is torch.Tensor
+            and t.grad_fn is not None
+            and not (t.is_nested or g.is_nested)  # (whose shapes are no sizes)
+            and g.dtype == t.dtype
+            and g.device == t.device
+            and g.layout == t.layout == torch.strided
+            and g.shape == t.shape
+        ):
+            return False
+    try:
+        plan = _core.plan_backward(tensors, grads, retain_graph)
+    except RuntimeError:
+        return False  # the engine plans it again, and raises where eager does
+    if not plan.runs_only_formulas:
+        _tls.planned = plan
+        return False
+    # As in the hook's callback, backward calls made during the replay (e.g. by a compiler)
+    # run in the engine.
+    # And the C++ warnings of the nodes the shim runs reach Python's warnings when the call
+    # ends, as run_backward's.
+    _tls.without_engine = True
+    enabled = _core.engine_set_enabled(False)
+    try:
+        with _core.CppWarnings():
+            done = _replay(config, plan) is not None
+    finally:
+        _core.engine_set_enabled(enabled)
+        _tls.without_engine = False
+    if not done:
+        _tls.planned = _ENGINE_RUNS
+    return done
 
 
 class routed:
@@ -160,6 +261,13 @@ def _on_engine_call(call: Any) -> tuple[torch.Tensor | None, ...] | None:
     config = current_config()
     if config is None:
         return None
+    planned = getattr(_tls, "planned", None)
+    if planned is not None:
+        _tls.planned = None
+        if planned is _ENGINE_RUNS:
+            return None
+        if planned.adopt(call):
+            return _replay(config, planned)
     reason = _engine_only_reason()
     if reason is not None:
         _leave_to_engine(reason)

@@ -100,6 +100,11 @@ def _running() -> running:
     return run
 
 
+def replaying() -> bool:
+    """Whether a replay runs on this thread."""
+    return getattr(_tls, "run", None) is not None
+
+
 def current_plan() -> _core.Plan:
     """The plan whose replay is running on this thread."""
     return _running().plan
