@@ -188,9 +188,8 @@ def _replay_without_engine(tensors: tuple, grads: tuple, retain_graph: bool) -> 
         _tls.planned = plan
         return False
     # As in the hook's callback, backward calls made during the replay (e.g. by a compiler)
-    # run in the engine.
-    # And the C++ warnings of the nodes the shim runs reach Python's warnings when the call
-    # ends, as run_backward's.
+    # run in the engine; and as in run_backward, the C++ warnings of the nodes the shim runs
+    # reach Python's warnings when the call ends.
     _tls.without_engine = True
     enabled = _core.engine_set_enabled(False)
     try:
