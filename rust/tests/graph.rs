@@ -450,3 +450,26 @@ fn sizes_of_torch_nodes_are_lifted_out_of_the_key() {
     let y = x.matmul(&w).tanh().sum(Kind::Float);
     assert_ne!(plan_of(&[&y]).layout.key, key4);
 }
+
+#[test]
+fn only_formulas_and_the_roots_a_plan_was_made_for() {
+    let x = leaf(&[1.0, 2.0]);
+    let a = (&x * 2.0).sin().sum(Kind::Float);
+    let b = x.exp().sum(Kind::Float);
+    let plan = plan_of(&[&a, &b]);
+    assert!(
+        plan.runs_only_formulas(),
+        "torch's formulas and an AccumulateGrad"
+    );
+    let edge = |t: &Tensor| NodeRef::gradient_edge(t).unwrap().unwrap();
+    assert!(plan.has_roots(&[edge(&a), edge(&b)]));
+    assert!(!plan.has_roots(&[edge(&b), edge(&a)]), "another order");
+    assert!(!plan.has_roots(&[edge(&a)]), "fewer roots");
+
+    // A step that runs as itself (a sparse gradient) is none of torch's formulas traced.
+    let s = Tensor::eye(2, (Kind::Float, Device::Cpu))
+        .to_sparse(None, None::<&[i64]>, None)
+        .set_requires_grad(true);
+    let y = s.to_dense(None, false).sum(Kind::Float);
+    assert!(!plan_of(&[&y]).runs_only_formulas());
+}
