@@ -1892,12 +1892,15 @@ rg_status rg_warnings_push(void) {
 rg_status rg_warnings_pop(int in_exception) {
   RG_TRY
   TORCH_CHECK(!warning_handlers.empty(), "rg_warnings_pop without rg_warnings_push");
-  std::unique_ptr<torch::PyWarningHandler> handler = std::move(warning_handlers.back());
+  torch::PyWarningHandler* handler = warning_handlers.back().release();
   warning_handlers.pop_back();
   if (in_exception) {
     handler->set_in_exception();
   }
-  handler.reset(); // issues the warnings; throws python_error for one turned into an error
+  // Issues the warnings, and throws python_error for one a filter turned into an error (a
+  // delete expression lets it through and frees the handler; unique_ptr::reset would
+  // terminate).
+  delete handler;
   RG_CATCH
 }
 

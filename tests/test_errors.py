@@ -176,6 +176,32 @@ def test_put_backward_under_deterministic_algorithms(compiler):
 
 
 @pytest.mark.parametrize("compiler", [None, "aot_eager"])
+def test_a_cpp_warning_turned_into_an_error_is_raised_after_the_backward(compiler):
+    # As run_backward does, the warning of put_'s formula is issued when the call ends: under
+    # an "error" filter it is raised then, after every gradient was accumulated.
+    def run(backward):
+        x = torch.randn(5, requires_grad=True)
+        source = torch.tensor([1.0, 2.0], requires_grad=True)
+        loss = (x.put(torch.tensor([1, 1]), source) * torch.arange(5.0)).sum()
+        prior = torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                with pytest.raises(UserWarning) as raised:
+                    backward(loss)
+        finally:
+            torch.use_deterministic_algorithms(False, warn_only=prior)
+        return str(raised.value), x.grad, source.grad
+
+    expected = run(torch.autograd.backward)
+    with replaygrad.enable(compiler):
+        got = run(torch.autograd.backward)
+    assert got[0] == expected[0]
+    assert torch.equal(got[1], expected[1]) and torch.equal(got[2], expected[2])
+
+
+@pytest.mark.parametrize("compiler", [None, "aot_eager"])
 def test_checkpointed_eigh_is_not_unpacked_before_it_runs(compiler):
     # Whether an eigh step runs as itself is decided without reading its saved values,
     # which a checkpointed block's unpack hook recomputes when the block is reached.
