@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import replaygrad
-from replaygrad import _engine
+from replaygrad import _compile, _engine
 
 from conftest import Doubling
 
@@ -711,24 +711,34 @@ def test_hook_appending_to_a_list_runs_once_per_call():
     assert lookups() == (1, 9)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=(AssertionError, torch._dynamo.exc.FailOnRecompileLimitHit),
-    reason="Dynamo traces the Python hook and guards on len(seen), so every call recompiles "
-    "the replay (measured: 8 graphs, then FailOnRecompileLimitHit under fullgraph=True on the "
-    "9th call); plain torch.compile of a function calling the same hook does the same",
-)
-def test_hook_appending_to_a_list_compiles_once_fullgraph():
+@pytest.mark.parametrize("how", ["option", "callable"])
+def test_hook_appending_to_a_list_stops_recompiling_fullgraph(how):
+    """Traced, the hook makes Dynamo guard on ``len(seen)``, so the second call recompiles
+    (plain torch.compile of a function calling the hook recompiles on every call, then
+    fails on the recompile limit under fullgraph=True, as torch's compiled autograd does).
+    The replay then calls the hook between compiled regions, none of which breaks its graph,
+    and later calls compile nothing. A compiler callable that refuses graph breaks is found
+    to do so when the hook outside the graph fails to compile (the call starts over)."""
     w = torch.randn(4, requires_grad=True)
     seen = []
+    graphs = []
+    options = {"compiler": COMPILER, "fullgraph": True}
+    if how == "callable":
+        options = {"compiler": torch.compile(backend=COMPILER, fullgraph=True)}
     counters.clear()
-    for _ in range(10):
+    for _ in range(12):
         h = w.exp()
         h.register_hook(lambda g: seen.append("hook"))
-        replaygrad.backward((h * w).sum(), compiler=COMPILER, fullgraph=True)
-    assert seen == ["hook"] * 10
-    assert lookups() == (1, 9)
-    assert unique_graphs() == 1
+        w.grad = None
+        replaygrad.backward((h * w).sum(), **options)
+        torch.testing.assert_close(w.grad, w.detach().exp() * (w.detach() + 1))
+        graphs.append(unique_graphs())
+    assert seen == ["hook"] * 12
+    assert lookups() == (1, 11)
+    assert graphs[3:] == [graphs[3]] * 9, graphs
+    (entry,) = _compile.cache._entries.values()
+    assert not entry.replay.hooks_in_graph
+    assert False in [region.compiled for region in entry.replay.regions]
 
 
 def test_torch_compiled_autograd_works_after_dynamic_replays():

@@ -106,6 +106,34 @@ def test_function_saved_values_and_ctx(compiler, function, w_requires_grad):
     compare(run, compiler)
 
 
+@pytest.mark.parametrize("how", ["option", "callable"])
+@pytest.mark.parametrize("function", [ExpScale, ExpScaleSetupContext])
+def test_function_runs_between_compiled_regions_under_fullgraph(function, how):
+    """A Function that is not traceable runs as itself; under fullgraph=True, which allows
+    no graph break, it runs between compiled regions, none of which breaks its graph. A
+    compiler callable that refuses graph breaks is found to do so when the replay fails to
+    compile (the call starts over)."""
+
+    def run(backward):
+        torch.manual_seed(0)
+        log = []
+        x = torch.randn(3, 4, requires_grad=True)
+        w = torch.randn(4, requires_grad=True)
+        for _ in range(2):
+            h = x * 2
+            out = function.apply(h, w, 1.5, log)
+            backward((out.sin() + h).sum())
+        return log, grads_of([x, w])
+
+    if how == "option":
+        compare(run, "aot_eager", fullgraph=True)
+    else:
+        compare(run, torch.compile(backend="aot_eager", fullgraph=True))
+    assert replaygrad.cache_info().misses == 1
+    (entry,) = replaygrad._compile.cache._entries.values()
+    assert [region.compiled for region in entry.replay.regions] == [True, False, True]
+
+
 @pytest.mark.parametrize("compiler", FAST_COMPILERS)
 @pytest.mark.parametrize("materialize", [True, False])
 def test_function_outputs_one_unused(compiler, materialize):
@@ -265,6 +293,17 @@ def _checkpointed_blocks(backward, batch: int = 5, nested: bool = False):
 @pytest.mark.parametrize("nested", [False, True])
 def test_non_reentrant_checkpointed_blocks(compiler, nested):
     compare(lambda backward: _checkpointed_blocks(backward, nested=nested), compiler)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_checkpointed_blocks_under_fullgraph(nested):
+    """Under fullgraph=True the nodes of a checkpointed block run as themselves, each
+    unpacking its values, between compiled regions (the unpack of a whole block at its first
+    node would be a graph break)."""
+    compare(lambda b: _checkpointed_blocks(b, nested=nested), "aot_eager", fullgraph=True)
+    (entry,) = replaygrad._compile.cache._entries.values()
+    assert entry.replay.breakless
+    assert {region.compiled for region in entry.replay.regions} == {True, False}
 
 
 def test_a_checkpointed_block_breaks_the_graph_once():

@@ -395,6 +395,17 @@ class ReplayCache:
         )
         self._rebuild(entry, plan, config, hooks_in_graph=True, escapes=False)
 
+    def run_outside_between_regions(self, entry: Entry, plan: _core.Plan, config: Config) -> None:
+        """Rebuilds ``entry`` with what runs outside the graph between compiled regions (see
+        :func:`replaygrad._replay.regions`, ``breakless``): compiling it failed where the
+        graph would break (a compiler callable that allows no graph break)."""
+        recompiles_log.info(
+            "compiling replay %s failed with graph breaks; running what is outside the graph "
+            "between compiled regions",
+            plan.key,
+        )
+        self._rebuild(entry, plan, config, breakless=True)
+
     def _rebuild(
         self,
         entry: Entry,
@@ -402,10 +413,12 @@ class ReplayCache:
         config: Config,
         hooks_in_graph: bool | None = None,
         escapes: bool | None = None,
+        breakless: bool | None = None,
     ) -> None:
         """Builds ``entry``'s replay again for its steps run as themselves and its regions
-        that capture data-dependent sizes, with its hooks where they were unless
-        ``hooks_in_graph`` / ``escapes`` say otherwise."""
+        that capture data-dependent sizes, with its hooks where they were and its regions
+        cut as they were unless ``hooks_in_graph`` / ``escapes`` / ``breakless`` say
+        otherwise."""
         replay = entry.replay
         entry.replay = self._build(
             plan,
@@ -414,6 +427,7 @@ class ReplayCache:
             entry.opaque,
             replay.escapes if escapes is None else escapes,
             entry.capture,
+            replay.breakless if breakless is None else breakless,
         )
 
     def _build(
@@ -424,10 +438,12 @@ class ReplayCache:
         opaque: frozenset[int],
         escapes: bool,
         capture: frozenset[int] = frozenset(),
+        breakless: bool = False,
     ) -> Replay:
         """The replay of ``plan``, its regions compiled with ``config`` (or taken from other
         cached replays that have them); the regions of steps in ``capture``: see
-        :func:`_capturing`."""
+        :func:`_capturing`; ``breakless``: see :func:`replaygrad._replay.regions` (always
+        under ``fullgraph=True``)."""
 
         def compile_region(region: Region, fn: Callable[..., Any]) -> Callable[..., Any]:
             captures = any(region.start <= s < region.end for s in capture)
@@ -451,6 +467,7 @@ class ReplayCache:
             saved,
             escapes,
             uncompiled=config.compiler is None,
+            breakless=config.compiler is not None and (breakless or config.fullgraph),
         )
         source_log.debug("replay %s:\n%s", plan.key, replay.source)
         return replay

@@ -394,16 +394,28 @@ def _call_until_done(
                 steps = {step}
             elif failed_to_compile:
                 steps = non_strided - entry.opaque
-                if not steps and entry.replay.hooks_in_graph and args[3]:
+                in_graph = entry.replay.hooks_in_graph and args[3]
+                if steps:
+                    pass
+                elif in_graph and entry.replay.escapes:
                     # Traced Python hooks the compiler fails on: first kept in the graph
-                    # (a compiler allowing no graph break failed where one would leave
-                    # it), then outside it, where a hook raises as in eager, or works.
-                    hooks = "in graph" if entry.replay.escapes else "outside"
+                    # (a compiler allowing no graph break failed where one would leave it),
+                    hooks = "in graph"
+                elif entry.replay.breaks and not entry.replay.breakless:
+                    # then what runs outside the graph between compiled regions (such a
+                    # compiler failed on a graph break),
+                    hooks = "between regions"
+                elif in_graph:
+                    # then the hooks outside the graph, where one raises as in eager, or
+                    # works.
+                    hooks = "outside"
             if not steps and hooks is None:
                 raise
         run.pending.clear()
         if hooks == "in graph":
             cache.keep_hooks_in_graph(entry, plan, config)
+        elif hooks == "between regions":
+            cache.run_outside_between_regions(entry, plan, config)
         elif hooks == "outside":
             cache.move_hooks_outside(entry, plan, config, "compiling its traced hooks failed")
             args = (*args[:3], hook_arguments(plan.hook_dicts(), in_graph=False))
@@ -437,20 +449,12 @@ def _hooks_registered_during(entry: Entry, plan: _core.Plan, config: Config, hoo
         if steps
         else "(callables added to hooks traced into the compiled graph)"
     )
-    later = (
-        "under fullgraph=True later calls miss them too"
-        if config.fullgraph
-        else "later calls with this graph call them as in eager"
-    )
     log.warning(
         "replaygrad: hooks were registered during a compiled backward %s, which the compiled "
-        "replay does not call where their node had not run yet; %s (compiler=None calls them "
-        "in this call too)",
+        "replay does not call where their node had not run yet; later calls with this graph "
+        "call them as in eager (compiler=None calls them in this call too)",
         where,
-        later,
     )
-    if config.fullgraph:
-        return  # no graph break allowed
     if steps:
         cache.run_as_themselves(
             entry, plan, config, steps, "hooks were registered on their nodes during a backward"
@@ -497,7 +501,7 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
         _leave_to_engine(f"compiling the replay of plan {plan.key} failed before")
         return None
     hooks = hook_arguments(plan.hook_dicts(), entry.replay.hooks_in_graph)
-    if entry.replay.hooks_in_graph and not config.fullgraph and reads_current_node(hooks):
+    if entry.replay.hooks_in_graph and reads_current_node(hooks):
         cache.move_hooks_outside(entry, plan, config, _ASKS_NODE)
         hooks = hook_arguments(plan.hook_dicts(), in_graph=False)
     graphs = _graphs_compiled()
@@ -564,7 +568,7 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
     entry.calls += 1
     if config.compiler is not None and RemovableHandle.next_id != handles:
         _hooks_registered_during(entry, plan, config, hooks)
-    if entry.replay.hooks_in_graph and not config.fullgraph:
+    if entry.replay.hooks_in_graph:
         if hooks and entry.calls > 1 and _graphs_compiled() > graphs:
             cache.move_hooks_outside(
                 entry,

@@ -864,6 +864,9 @@ class Region:
     in_place_on_views: bool = False
     #: The plan's steps where it unpacks hooked saved values (see :func:`unpack_saved`).
     unpacks: tuple[int, ...] = ()
+    #: Compiled; False for the regions of a replay that allows no graph break which hold
+    #: only steps run outside the graph (see :func:`regions`): they run as Python.
+    compiled: bool = True
 
 
 @dataclass(frozen=True)
@@ -880,6 +883,8 @@ class Replay:
     #: Traced hooks given a gradient with overlapping memory leave the graph (see
     #: :func:`_overlapping`); False for compilers that allow no graph break.
     escapes: bool = True
+    #: What runs outside the graph runs between compiled regions (see :func:`regions`).
+    breakless: bool = False
 
 
 _RUNTIME = {
@@ -984,6 +989,7 @@ def regions(
     region_size: int | None = None,
     saved: Sequence[Any] = (),
     escapes: bool = True,
+    breakless: bool = False,
 ) -> tuple[Region, ...]:
     """Splits ``plan`` into regions of about ``region_size`` steps (see :func:`_cuts`; one
     region if None) and generates their source.
@@ -995,6 +1001,10 @@ def regions(
     :func:`unpack_saved`). ``saved`` (the plan's saved values, when known) adds their
     metadata to the keys, and the regions do not read the slots that hold None. ``opaque``
     and ``escapes``: see :func:`_region_source`.
+
+    ``breakless`` (a compiler that allows no graph break, ``fullgraph=True``): the steps
+    where something runs outside the graph (:func:`outside_steps`) get regions of their own,
+    run as Python between the compiled ones, so that no compiled region breaks its graph.
     """
     digests = plan.step_digests()
     size_ranges = plan.size_ranges()
@@ -1009,6 +1019,10 @@ def regions(
         # block loses no fusion, and blocks alike are compiled once.
         starts = (first for first, _ in _unpack_groups(steps, hooked, 0, len(steps), opaque))
         cuts = sorted({*cuts, *starts})
+    outside = set(outside_steps(steps, hooks_in_graph, opaque)) if breakless else set()
+    if outside:
+        edges = (s for s in range(1, len(steps)) if (s in outside) != (s - 1 in outside))
+        cuts = sorted({*cuts, *edges})
     out = []
     python_hooks = 0
     for start, end in pairwise(cuts):
@@ -1051,6 +1065,7 @@ def regions(
                 (python_hooks, python_hooks + used),
                 any(_traced_copy_slices(steps[s], s, opaque) for s in range(start, end)),
                 tuple(first for first, _ in unpacks),
+                not outside.issuperset(range(start, end)),
             )
         )
         python_hooks += used
@@ -1411,16 +1426,21 @@ def build(
     saved: Sequence[Any] = (),
     escapes: bool = True,
     uncompiled: bool = False,
+    breakless: bool = False,
 ) -> Replay:
     """Generates the replay of ``plan``, each region's function compiled by
     ``compile_region(region, fn)``. ``uncompiled``: the regions run as Python (no compiler
     traces them): their steps run as :func:`apply_uncompiled`, they call the hooks nodes got
     during the backward (:func:`new_tensor_pre_hooks`), and they sum gradients in
     place where the engine would (``_core.buffer_sum``; :func:`buffer_sum`, which compilers
-    trace, always makes new sums)."""
+    trace, always makes new sums). ``breakless``: see :func:`regions`; there the steps with
+    hooked saved values run as themselves (the unpack of a checkpointed block's values is a
+    graph break, see :func:`unpack_saved`)."""
     steps = plan.steps()
     opaque = opaque | steps_run_as_themselves(plan, steps)
-    found = regions(plan, steps, hooks_in_graph, opaque, region_size, saved, escapes)
+    if breakless:
+        opaque |= {step for step, _, _ in plan.hooked_steps()}
+    found = regions(plan, steps, hooks_in_graph, opaque, region_size, saved, escapes, breakless)
     namespace: dict[str, Any] = {"at": at, "buffer_sum": buffer_sum}
     runtime = _RUNTIME
     if uncompiled:
@@ -1433,7 +1453,7 @@ def build(
     for r, g in enumerate(found):
         scope: dict[str, Any] = dict(runtime)
         exec(compile(g.source, f"<replaygrad region {g.key[:12]}>", "exec"), scope)
-        namespace[f"R{r}"] = compile_region(g, scope["region"])
+        namespace[f"R{r}"] = compile_region(g, scope["region"]) if g.compiled else scope["region"]
     driver = _driver_source(steps, found, plan.num_captures, hooks_in_graph)
     exec(compile(driver, f"<replaygrad replay {plan.key[:12]}>", "exec"), namespace)
     unpacks = [step for region in found for step in region.unpacks]
@@ -1444,4 +1464,5 @@ def build(
         _replay_source(found, driver),
         tuple(sorted({*outside_steps(steps, hooks_in_graph, opaque), *unpacks})),
         escapes,
+        breakless,
     )
