@@ -41,10 +41,11 @@ def assert_logs_equal(expected: list, got: list, exact: bool) -> None:
         assert_same(e[1:], g[1:], exact, f"log entry {n} ({e[0]})")
 
 
-def compare(run, compiler) -> None:
-    """``run(backward) -> (log, grads)`` with the engine and with replaygrad."""
+def compare(run, compiler, **options) -> None:
+    """``run(backward) -> (log, grads)`` with the engine and with replaygrad (compile
+    ``options`` given)."""
     expected_log, expected_grads = run(eager_backward)
-    got_log, got_grads = run(replay_backward(compiler))
+    got_log, got_grads = run(replay_backward(compiler, **options))
     exact = compiler is None
     assert_logs_equal(expected_log, got_log, exact)
     assert_same(tuple(expected_grads), tuple(got_grads), exact, "grads")
@@ -259,6 +260,28 @@ def test_node_pre_and_post_hooks(compiler):
         return log, grads_of([a, b])
 
     compare(run, compiler)
+
+
+@pytest.mark.parametrize("options", [{}, {"fullgraph": True}])
+def test_node_hooks_returning_tuples_are_traced_without_a_graph_break(options):
+    """Node pre- and post-hooks that return a new tuple, or the one they were given: traced
+    into the graph without a break (Dynamo cannot trace ``is`` between tuples)."""
+
+    def run(backward):
+        torch.manual_seed(0)
+        a = torch.randn(3, 2, requires_grad=True)
+        b = torch.randn(2, 4, requires_grad=True)
+        m = a @ b
+        m.grad_fn.register_prehook(lambda go: (go[0] * 10,))
+        m.grad_fn.register_prehook(lambda go: go)
+        m.grad_fn.register_hook(lambda gi, go: (gi[0] + 1, gi[1] * 2))
+        m.grad_fn.register_hook(lambda gi, go: gi)
+        backward((m.relu() * 2).sum())
+        return [], grads_of([a, b])
+
+    torch._dynamo.utils.counters.clear()
+    compare(run, "aot_eager", **options)
+    assert not torch._dynamo.utils.counters["graph_break"]
 
 
 @pytest.mark.parametrize("compiler", FAST_COMPILERS)
