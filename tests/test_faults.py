@@ -284,6 +284,30 @@ def test_untraceable_step_after_a_graph_break_runs_as_itself_on_later_calls():
     assert (info.misses, info.hits) == (1, 2), "one entry, kept after the failed call"
 
 
+def test_hook_dynamo_cannot_trace_after_an_opaque_node_under_fullgraph():
+    # A hook traced into a region that runs after a node run as itself could not make the
+    # call start over if it failed to compile (fullgraph=True allows no graph break, and
+    # Dynamo cannot trace print): where anything runs outside the graph, hooks run between
+    # the compiled regions from the first call.
+    def run(backward):
+        torch.manual_seed(0)
+        log = []
+        w = torch.randn(3, requires_grad=True)
+        h = w.exp()
+        h.register_hook(lambda g: print(end="") or log.append(g.sum().item()))
+        backward((Doubling.apply(h) * w).sum())
+        return log, w.grad
+
+    def replay(loss):
+        replaygrad.backward(loss, compiler="aot_eager", fullgraph=True)
+
+    expected = run(torch.autograd.backward)
+    for _ in range(2):
+        torch.testing.assert_close(run(replay), expected)
+    info = replaygrad.cache_info()
+    assert (info.misses, info.hits) == (1, 1)
+
+
 # ---- saved values modified in place during the backward ----------------------------------
 
 

@@ -278,6 +278,44 @@ def test_a_compile_failure_after_a_graph_break_is_not_handed_to_the_engine():
     assert_grads_equal(expected, grads_of([early, late]), exact=True)
 
 
+def test_a_compile_failure_after_a_graph_break_is_remedied_for_later_calls():
+    # Without fallback: the call cannot start over and raises, as after an error (early's
+    # accumulation is performed); the replay is rebuilt with what ran outside the graphs
+    # between compiled regions, and later calls replay it.
+    make = functools.partial(early_and_late, graph_break=True)
+    early, late, loss = make()
+    loss.backward()
+    expected = grads_of([early, late])
+    compiles = []
+
+    def compiler(fn):  # the second region fails on its first call only
+        compiles.append(fn)
+        if len(compiles) != 2:
+            return fn
+
+        def fail_once(*args):
+            if compiles[1] is fn:
+                compiles[1] = None
+                raise torch._dynamo.exc.TorchDynamoException("the backend failed")
+            return fn(*args)
+
+        return fail_once
+
+    early, late, loss = make()
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException) as info:
+        replaygrad.backward(loss, compiler=compiler)
+    assert any("could not start over" in note for note in info.value.__notes__)
+    assert_grads_equal([expected[0]], [early.grad], exact=True)
+    for _ in range(2):
+        early, late, loss = make()
+        replaygrad.backward(loss, compiler=compiler)
+        assert_grads_equal(expected, grads_of([early, late]), exact=True)
+    (entry,) = replaygrad._compile.cache._entries.values()
+    assert entry.replay.breakless
+    info = replaygrad.cache_info()
+    assert (info.misses, info.hits) == (1, 2)
+
+
 def test_a_compile_failure_before_anything_ran_falls_back_to_the_engine():
     make = functools.partial(early_and_late, graph_break=False)
     early, late, loss = make()

@@ -373,54 +373,79 @@ def _call_until_done(
     that keep the compiler from compiling it are made to run as themselves and the call is
     made again: steps that met sparse (or other non-strided) tensors only present at run
     time (e.g. the gradient of ``gather(..., sparse_grad=True)``), and a step whose node
-    raised while being traced (see :func:`traced_step`)."""
+    raised while being traced (see :func:`traced_step`); likewise for hooks and graph
+    breaks the compiler fails on (see :func:`_remedy`). Once it cannot start over, the error
+    is raised, and a compile failure's remedy is for later calls (the error marked
+    ``__replaygrad_remedied__``)."""
     while True:
         run.breaks = entry.replay.breaks
         try:
             with run, torch.no_grad(), non_strided_steps() as non_strided:
                 return entry.replay.fn(*args)
         except Exception as error:
-            if not run.restartable:
-                raise
-            step = traced_step(error)
-            steps: set[int] = set()
-            hooks = None
             failed_to_compile = _compile_failure(error) and node_error(error) is None
-            if entry.capture and failed_to_compile:
+            if entry.capture and failed_to_compile and run.restartable:
                 run.pending.clear()
                 cache.stop_capturing(entry, plan, config)
                 continue
-            if step is not None and step not in entry.opaque:
-                steps = {step}
-            elif failed_to_compile:
-                steps = non_strided - entry.opaque
-                in_graph = entry.replay.hooks_in_graph and args[3]
-                if steps:
-                    pass
-                elif in_graph and entry.replay.escapes:
-                    # Traced Python hooks the compiler fails on: first kept in the graph
-                    # (a compiler allowing no graph break failed where one would leave it),
-                    hooks = "in graph"
-                elif entry.replay.breaks and not entry.replay.breakless:
-                    # then what runs outside the graph between compiled regions (such a
-                    # compiler failed on a graph break),
-                    hooks = "between regions"
-                elif in_graph:
-                    # then the hooks outside the graph, where one raises as in eager, or
-                    # works.
-                    hooks = "outside"
-            if not steps and hooks is None:
+            remedy = _remedy(entry, error, failed_to_compile, non_strided, bool(args[3]))
+            if remedy is None:
+                raise
+            if not run.restartable:
+                # (_replay stops capturing; with fallback="eager", later calls run in the
+                # engine.)
+                if failed_to_compile and not entry.capture and config.fallback is None:
+                    _apply_remedy(remedy, entry, plan, config)
+                    error.__replaygrad_remedied__ = True  # type: ignore[attr-defined]
                 raise
         run.pending.clear()
-        if hooks == "in graph":
-            cache.keep_hooks_in_graph(entry, plan, config)
-        elif hooks == "between regions":
-            cache.run_outside_between_regions(entry, plan, config)
-        elif hooks == "outside":
-            cache.move_hooks_outside(entry, plan, config, "compiling its traced hooks failed")
+        if _apply_remedy(remedy, entry, plan, config):
             args = (*args[:3], hook_arguments(plan.hook_dicts(), in_graph=False))
-        else:
-            cache.run_as_themselves(entry, plan, config, steps)
+
+
+def _remedy(
+    entry: Entry, error: Exception, failed_to_compile: bool, non_strided: set[int], hooks: bool
+) -> str | set[int] | None:
+    """What to change in ``entry``'s replay after ``error`` for the call to succeed: steps
+    to run as themselves, or where its hooks run (``hooks``: it has Python hooks); None
+    if nothing would help."""
+    step = traced_step(error)
+    if step is not None and step not in entry.opaque:
+        return {step}
+    if not failed_to_compile:
+        return None
+    steps = non_strided - entry.opaque
+    in_graph = entry.replay.hooks_in_graph and hooks
+    if steps:
+        return steps
+    if in_graph and entry.replay.escapes:
+        # Traced Python hooks the compiler fails on: first kept in the graph (a compiler
+        # allowing no graph break failed where one would leave it),
+        return "in graph"
+    if entry.replay.breaks and not entry.replay.breakless:
+        # then what runs outside the graph between compiled regions (such a compiler failed
+        # on a graph break),
+        return "between regions"
+    if in_graph:
+        # then the hooks outside the graph, where one raises as in eager, or works.
+        return "outside"
+    return None
+
+
+def _apply_remedy(remedy: str | set[int], entry: Entry, plan: _core.Plan, config: Config) -> bool:
+    """Rebuilds ``entry``'s replay with ``remedy`` (see :func:`_remedy`); True if its hooks
+    moved outside the graph."""
+    if remedy == "in graph":
+        cache.keep_hooks_in_graph(entry, plan, config)
+    elif remedy == "between regions":
+        cache.run_outside_between_regions(entry, plan, config)
+    elif remedy == "outside":
+        cache.move_hooks_outside(entry, plan, config, "compiling its traced hooks failed")
+        return True
+    else:
+        assert isinstance(remedy, set)
+        cache.run_as_themselves(entry, plan, config, remedy)
+    return False
 
 
 def _hooks_registered_during(entry: Entry, plan: _core.Plan, config: Config, hooks: list) -> None:
@@ -541,6 +566,14 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
             # effects reached are performed.
             del saved
             plan.run_deferred(deferred, complete=False)
+            if getattr(error, "__replaygrad_remedied__", False):
+                # Later calls run what failed another way (see _call_until_done).
+                error.add_note(
+                    f"replaygrad: compiling a region of the replay of plan {plan.key} failed "
+                    "after parts of this backward ran, so it could not start over; later "
+                    "calls run the replay rebuilt for what failed"
+                )
+                raise
             if config.fallback == "eager":
                 entry.failed = True
                 error.add_note(

@@ -1437,11 +1437,17 @@ def build(
     place where the engine would (``_core.buffer_sum``; :func:`buffer_sum`, which compilers
     trace, always makes new sums). ``breakless``: see :func:`regions`; there the steps with
     hooked saved values run as themselves (the unpack of a checkpointed block's values is a
-    graph break, see :func:`unpack_saved`)."""
+    graph break, see :func:`unpack_saved`), and Python hooks are not traced where anything
+    runs outside the graph."""
     steps = plan.steps()
     opaque = opaque | steps_run_as_themselves(plan, steps)
     if breakless:
         opaque |= {step for step, _, _ in plan.hooked_steps()}
+        if hooks_in_graph and outside_steps(steps, True, opaque):
+            # A region after code that ran outside the graph cannot start over if a traced
+            # hook in it fails to compile (which, with no graph break allowed, any hook Dynamo
+            # cannot trace does): the hooks run between regions too.
+            hooks_in_graph = False
     found = regions(plan, steps, hooks_in_graph, opaque, region_size, saved, escapes, breakless)
     namespace: dict[str, Any] = {"at": at, "buffer_sum": buffer_sum}
     runtime = _RUNTIME
