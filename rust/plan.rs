@@ -64,9 +64,10 @@ impl Plan {
 
     /// Whether the call runs nothing but torch's own formulas and accumulations: no Python
     /// Function or C++ custom Function, no hook but retains_grad's, no step that runs as
-    /// itself, no saved value behind saved_tensors_hooks. No code of the user's runs during
-    /// such a call, so none can tell whether the engine runs it (its current graph task,
-    /// `queue_callback`, the current node).
+    /// itself, no saved value behind saved_tensors_hooks (steps not needed by `inputs=`
+    /// only take captures). No code of the user's runs during such a call, so none can tell
+    /// whether the engine runs it (its current graph task, `queue_callback`, the current
+    /// node).
     pub fn runs_only_formulas(&self) -> bool {
         let graph = &self.snapshot.graph;
         self.schedule.steps.iter().all(|&n| {
@@ -74,16 +75,16 @@ impl Plan {
                 graph.nodes[n as usize].kind,
                 NodeKind::Generic | NodeKind::AccumulateGrad
             )
+        }) && self.layout.steps.iter().all(|s| {
+            matches!(
+                s.mode,
+                StepMode::Traced | StepMode::DeferredAccumulate | StepMode::Skipped
+            ) && s.hooked == 0
         }) && self
             .layout
-            .steps
+            .hooks
             .iter()
-            .all(|s| matches!(s.mode, StepMode::Traced | StepMode::DeferredAccumulate) && s.hooked == 0)
-            && self
-                .layout
-                .hooks
-                .iter()
-                .all(|h| h.kind == HookKind::RetainsGrad && !h.python)
+            .all(|h| h.kind == HookKind::RetainsGrad && !h.python)
     }
 
     /// Whether this plan is of a backward from `roots` (the same nodes and input numbers, in

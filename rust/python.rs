@@ -127,7 +127,9 @@ impl PyPlan {
         // SAFETY: live object, GIL held.
         let call = unsafe { EngineCall::read(call.as_ptr()) }?;
         let plain = call.outputs.is_none() && call.accumulate_grad && !call.create_graph;
-        if !plain || self.call.is_none() || !self.plan.has_roots(&call.roots) {
+        let made_plain = self.plan.snapshot.graph.outputs.is_empty()
+            && self.call.as_ref().is_some_and(|c| c.accumulate_grad);
+        if !plain || !made_plain || !self.plan.has_roots(&call.roots) {
             return Ok(false);
         }
         self.call = Some(CallData {
@@ -626,6 +628,23 @@ fn root_edges(roots: &Bound<'_, PyAny>) -> PyResult<Vec<(NodeRef, u32)>> {
     Ok(edges)
 }
 
+/// The edges of `inputs=` (tensors or GradientEdges), as the engine takes them: None for a
+/// leaf without an AccumulateGrad (unreachable).
+fn input_edges(inputs: &Bound<'_, PyAny>) -> PyResult<Vec<Option<(NodeRef, u32)>>> {
+    let mut outputs = Vec::new();
+    for item in inputs.try_iter()? {
+        let item = item?;
+        outputs.push(if is_tensor(&item) {
+            let tensor = to_tensor(&item, "inputs")?
+                .ok_or_else(|| PyTypeError::new_err("inputs must not contain None"))?;
+            NodeRef::input_edge(&tensor)?
+        } else {
+            gradient_edge_of(&item)?
+        });
+    }
+    Ok(outputs)
+}
+
 /// Plans the backward of `roots` (tensors or GradientEdges): walks the graph, orders it as
 /// the engine would and lays out its saved values. With `inputs` (tensors or
 /// GradientEdges), plans a backward with respect to them: accumulating into them
@@ -638,23 +657,7 @@ fn plan(
     accumulate_grad: bool,
 ) -> PyResult<PyPlan> {
     let edges = root_edges(roots)?;
-    let outputs = match inputs {
-        None => None,
-        Some(inputs) => {
-            let mut outputs = Vec::new();
-            for item in inputs.try_iter()? {
-                let item = item?;
-                outputs.push(if is_tensor(&item) {
-                    let tensor = to_tensor(&item, "inputs")?
-                        .ok_or_else(|| PyTypeError::new_err("inputs must not contain None"))?;
-                    NodeRef::input_edge(&tensor)?
-                } else {
-                    gradient_edge_of(&item)?
-                });
-            }
-            Some(outputs)
-        }
-    };
+    let outputs = inputs.map(input_edges).transpose()?;
     Ok(PyPlan {
         plan: Plan::build_for(&edges, outputs.as_deref(), accumulate_grad)?,
         call: None,
@@ -663,12 +666,20 @@ fn plan(
     })
 }
 
-/// Plans `torch.autograd.backward(tensors, grads, retain_graph=keep_graph)` (no `inputs=`,
-/// create_graph=False) as the engine would plan it, for replaygrad to run without the engine:
-/// `grads` are taken as the engine's validated root gradients (the caller checked that
-/// validate_outputs would keep them as they are).
+/// Plans `torch.autograd.backward(tensors, grads, retain_graph=keep_graph, inputs=inputs)`
+/// (`accumulate_grad`; else `torch.autograd.grad(tensors, inputs, grads, ...)`), with
+/// create_graph=False, as the engine would plan it, for replaygrad to run without the
+/// engine: `grads` are taken as the engine's validated root gradients (the caller checked
+/// that validate_outputs would keep them as they are).
 #[pyfunction]
-fn plan_backward(tensors: &Bound<'_, PyAny>, grads: &Bound<'_, PyAny>, keep_graph: bool) -> PyResult<PyPlan> {
+#[pyo3(signature = (tensors, grads, keep_graph, inputs=None, accumulate_grad=true))]
+fn plan_backward(
+    tensors: &Bound<'_, PyAny>,
+    grads: &Bound<'_, PyAny>,
+    keep_graph: bool,
+    inputs: Option<&Bound<'_, PyAny>>,
+    accumulate_grad: bool,
+) -> PyResult<PyPlan> {
     let roots = root_edges(tensors)?;
     let root_grads = to_tensors(grads, "grads")?;
     if root_grads.len() != roots.len() {
@@ -678,11 +689,17 @@ fn plan_backward(tensors: &Bound<'_, PyAny>, grads: &Bound<'_, PyAny>, keep_grap
             roots.len()
         )));
     }
+    if inputs.is_none() && !accumulate_grad {
+        return Err(PyValueError::new_err(
+            "a backward that does not accumulate needs inputs",
+        ));
+    }
+    let outputs = inputs.map(input_edges).transpose()?;
     Ok(PyPlan {
-        plan: Plan::build(&roots)?,
+        plan: Plan::build_for(&roots, outputs.as_deref(), accumulate_grad)?,
         call: Some(CallData {
             root_grads,
-            accumulate_grad: true,
+            accumulate_grad,
             keep_graph,
         }),
         effects_done: AtomicUsize::new(0),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 
@@ -404,6 +405,60 @@ def test_a_backward_of_torchs_formulas_runs_without_the_engine(engine_calls, com
             assert torch.equal(e, g)
         else:
             torch.testing.assert_close(g, e)
+
+
+def _grads_of_formulas(how: str):
+    """``autograd.grad`` w.r.t. a leaf, a Parameter and a non-leaf, or ``backward(inputs=)``
+    of the same, of a graph of torch's formulas; its results and the ``.grad``s."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(3))
+    b = torch.randn(3, requires_grad=True)  # not an input: its AccumulateGrad is not needed
+    h = (x * w).sin() + b
+    loss = (h * 0.5 + x.exp()).sum()
+    inputs = [x, w, h]
+    if how == "grad":
+        return torch.autograd.grad(loss, inputs), [t.grad for t in (x, w, b)]
+    loss.backward(inputs=inputs)  # retains h's grad
+    return (), [t.grad for t in (x, w, b, h)]
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+@pytest.mark.parametrize("how", ["grad", "backward(inputs=)"])
+def test_a_grad_of_torchs_formulas_runs_without_the_engine(engine_calls, compiler, how):
+    expected = _grads_of_formulas(how)
+    before = replaygrad.cache_info()
+    with replaygrad.enable(compiler):
+        got = _grads_of_formulas(how)
+    assert_replayed(before)
+    assert engine_calls() == {"engine": 0, "plan_engine_call": 0, "plan_backward": 1}
+    assert [g is None for g in got[1]] == [e is None for e in expected[1]]
+    for e, g in zip([*expected[0], *expected[1]], [*got[0], *got[1]]):
+        if e is None:
+            continue
+        if compiler is None:
+            assert torch.equal(e, g)
+        else:
+            torch.testing.assert_close(g, e)
+
+
+def test_a_grad_of_an_unused_input_raises_as_in_eager(engine_calls):
+    x = torch.randn(3, requires_grad=True)
+    unused = torch.randn(3, requires_grad=True)
+    results = []
+    for context in (contextlib.nullcontext(), replaygrad.enable("aot_eager")):
+        with context:
+            loss = x.sin().sum()
+            with pytest.raises(RuntimeError, match="Tensor at index 1 appears to not have been"):
+                torch.autograd.grad(loss, [x, unused], retain_graph=True)
+            results.append(torch.autograd.grad(loss, [x, unused], allow_unused=True))
+            with pytest.raises(RuntimeError, match="does not require grad"):
+                torch.autograd.grad(x.sin().sum(), [x, torch.randn(3)])
+    assert results[1][1] is None
+    torch.testing.assert_close(results[1][0], results[0][0])
+    # (Outside enable(), torch calls its engine directly.) Under it, the call with an
+    # input that does not require grad went to the engine, which raised.
+    assert engine_calls()["engine"] == 1
 
 
 def _with_user_code(kind: str, backward):

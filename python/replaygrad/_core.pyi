@@ -98,7 +98,11 @@ def plan(
 ) -> Plan: ...
 def plan_engine_call(call: object) -> Plan | None: ...
 def plan_backward(
-    tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], keep_graph: bool
+    tensors: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    keep_graph: bool,
+    inputs: Iterable[_Root] | None = None,
+    accumulate_grad: bool = True,
 ) -> Plan: ...
 
 class CppWarnings:

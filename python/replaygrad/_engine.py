@@ -125,25 +125,71 @@ def _engine_run_backward(outputs: Any, *args: Any, **kwargs: Any) -> tuple:
     whose replay runs torch's formulas only is replayed here, without the engine: its
     GraphTask and dependency count, which nothing in such a call can observe, cost about as
     much as planning it (see :func:`_replay_without_engine`). Any other call goes to the
-    engine, and through its hook."""
-    if (
-        kwargs.get("accumulate_grad") is True
-        and len(args) == 4
-        and not args[2]  # create_graph
-        and not args[3]  # inputs=
-        and _replay_without_engine(outputs, args[0], args[1])
-    ):
-        return ()
+    engine, and through its hook. So is ``torch.autograd.grad`` and ``backward(inputs=)``
+    with tensors as inputs (see :func:`_grad_without_engine`)."""
+    if len(args) == 4 and not args[2] and kwargs.get("accumulate_grad") is True:
+        # backward(tensors, grads, retain_graph, create_graph=False, inputs)
+        if not args[3]:
+            if _replay_without_engine(outputs, args[0], args[1]) is not None:
+                return ()
+        elif _grad_without_engine(outputs, args[0], args[1], args[3], True, True) is not None:
+            return ()
+    elif len(args) == 5 and not args[2] and kwargs.get("accumulate_grad") is False:
+        # grad(outputs, grad_outputs, retain_graph, create_graph=False, inputs, allow_unused)
+        result = _grad_without_engine(outputs, args[0], args[1], args[3], bool(args[4]), False)
+        if result is not None:
+            return result
     try:
         return _torch_engine_run_backward(outputs, *args, **kwargs)
     finally:
         _tls.planned = None
 
 
-def _replay_without_engine(tensors: tuple, grads: tuple, retain_graph: bool) -> bool:
-    """Replays ``backward(tensors, grads)`` without the engine, if nothing can tell the
-    difference; False to have the engine take the call (then handing a plan made here to
-    the hook, so that the call is planned once).
+#: The input types :func:`_grad_without_engine` takes: a Parameter is a plain tensor to the
+#: engine.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _grad_without_engine(
+    tensors: tuple,
+    grads: tuple,
+    retain_graph: bool,
+    inputs: tuple,
+    allow_unused: bool,
+    accumulate_grad: bool,
+) -> tuple | None:
+    """Replays ``autograd.grad`` (or, ``accumulate_grad``, ``backward(inputs=)``) without
+    the engine as :func:`_replay_without_engine` does, where its inputs are plain tensors
+    that require grad (otherwise the engine raises); returns what ``run_backward`` would
+    (the gradients of the inputs, or ()), or None to have the engine take the call."""
+    if not all(type(t) in _PLAIN and t.requires_grad and not t.is_nested for t in inputs):
+        return None
+    if accumulate_grad:
+        for t in inputs:  # as run_backward does first, also if the engine takes the call
+            t.retain_grad()
+    result = _replay_without_engine(tensors, grads, retain_graph, inputs, accumulate_grad)
+    if result is None or accumulate_grad:
+        return result
+    unused = next((i for i, g in enumerate(result) if g is None), None)
+    if not allow_unused and unused is not None:
+        raise RuntimeError(
+            f"The differentiated Tensor at index {unused} appears to not have been used in "
+            "the graph. Set allow_unused=True if this is the desired behavior."
+        )
+    return result
+
+
+def _replay_without_engine(
+    tensors: tuple,
+    grads: tuple,
+    retain_graph: bool,
+    inputs: tuple | None = None,
+    accumulate_grad: bool = True,
+) -> tuple | None:
+    """Replays ``backward(tensors, grads)`` (with ``inputs``: see
+    :func:`_grad_without_engine`) without the engine, if nothing can tell the difference,
+    returning what the replay returns; None to have the engine take the call (then handing
+    a plan made here for a plain backward to the hook, so that the call is planned once).
 
     Nothing can when no code of the user's runs during the call (no hook but
     retains_grad's, no custom Function, no saved_tensors_hooks, no step that runs as
@@ -165,9 +211,9 @@ def _replay_without_engine(tensors: tuple, grads: tuple, retain_graph: bool) -> 
         or torch.autograd.graph.log.getEffectiveLevel() <= logging.DEBUG
         or _engine_only_reason() is not None
     ):
-        return False
+        return None
     if len(tensors) != len(grads):
-        return False  # the engine raises
+        return None  # the engine raises
     for t, g in zip(tensors, grads):
         if not (
             type(t) is torch.Tensor
@@ -179,14 +225,15 @@ def _replay_without_engine(tensors: tuple, grads: tuple, retain_graph: bool) -> 
             and g.layout == t.layout == torch.strided
             and g.shape == t.shape
         ):
-            return False
+            return None
     try:
-        plan = _core.plan_backward(tensors, grads, retain_graph)
+        plan = _core.plan_backward(tensors, grads, retain_graph, inputs, accumulate_grad)
     except RuntimeError:
-        return False  # the engine plans it again, and raises where eager does
+        return None  # the engine plans it again, and raises where eager does
     if not plan.runs_only_formulas:
-        _tls.planned = plan
-        return False
+        if inputs is None:
+            _tls.planned = plan
+        return None
     # As in the hook's callback, backward calls made during the replay (e.g. by a compiler)
     # run in the engine; and as in run_backward, the C++ warnings of the nodes the shim runs
     # reach Python's warnings when the call ends.
@@ -194,13 +241,13 @@ def _replay_without_engine(tensors: tuple, grads: tuple, retain_graph: bool) -> 
     enabled = _core.engine_set_enabled(False)
     try:
         with _core.CppWarnings():
-            done = _replay(config, plan) is not None
+            result = _replay(config, plan)
     finally:
         _core.engine_set_enabled(enabled)
         _tls.without_engine = False
-    if not done:
+    if result is None:
         _tls.planned = _ENGINE_RUNS
-    return done
+    return result
 
 
 class routed:

@@ -472,4 +472,12 @@ fn only_formulas_and_the_roots_a_plan_was_made_for() {
         .set_requires_grad(true);
     let y = s.to_dense(None, false).sum(Kind::Float);
     assert!(!plan_of(&[&y]).runs_only_formulas());
+
+    // A grad with respect to x only: the AccumulateGrad of w is popped, not needed.
+    let w = leaf(&[3.0, 4.0]);
+    let z = (&x * &w).sum(Kind::Float);
+    let input = NodeRef::input_edge(&x).unwrap();
+    let plan = Plan::build_for(&[edge(&z)], Some(&[input]), false).expect("plan");
+    assert!(plan.layout.steps.iter().any(|s| s.mode == StepMode::Skipped));
+    assert!(plan.runs_only_formulas(), "steps not needed run nothing");
 }
