@@ -2,6 +2,7 @@
 //! root edges. [`Graph`] knows nothing of torch, so the planning code over it is testable
 //! without an interpreter; [`snapshot`] builds one from live nodes through the shim.
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::ffi::CStr;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -222,14 +223,34 @@ pub fn meta_records(meta: &[u8]) -> impl Iterator<Item = MetaRecord<'_>> {
     })
 }
 
+/// The sizes of a snapshot's buffers.
+#[derive(Clone, Copy, Default)]
+struct Sizes {
+    nodes: usize,
+    edges: usize,
+    meta: usize,
+}
+
+thread_local! {
+    /// Those of the last snapshot taken on this thread: a training loop plans graphs of one
+    /// size, whose buffers are then allocated at their size, not grown (copied) to it.
+    static LAST_SIZES: Cell<Sizes> = const { Cell::new(Sizes { nodes: 0, edges: 0, meta: 0 }) };
+}
+
 /// Walks the graph reachable from the root edges, breadth first (the engine's
 /// compute_dependencies visits the same set), holding a strong reference to every node.
 /// `outputs` are the edges of `inputs=` (None for an input without a node); they are
 /// located in the walked graph, not walked from.
 pub fn snapshot(roots: &[(NodeRef, u32)], outputs: &[Option<(NodeRef, u32)>]) -> Result<Snapshot, ShimError> {
-    let mut graph = Graph::default();
-    let mut handles: Vec<NodeRef> = Vec::new();
-    let mut index: PtrMap<u32> = PtrMap::default();
+    let last = LAST_SIZES.get();
+    let mut graph = Graph {
+        nodes: Vec::with_capacity(last.nodes),
+        edge_start: Vec::with_capacity(last.nodes + 1),
+        edges: Vec::with_capacity(last.edges),
+        ..Graph::default()
+    };
+    let mut handles: Vec<NodeRef> = Vec::with_capacity(last.nodes);
+    let mut index: PtrMap<u32> = PtrMap::with_capacity_and_hasher(last.nodes, Default::default());
     // Type display names: one name() call per C++ type. Python Functions all share the
     // PyNode type, so they are told apart by name() (the Function's class name).
     let mut types_by_typeid: PtrMap<u32> = PtrMap::default();
@@ -259,8 +280,9 @@ pub fn snapshot(roots: &[(NodeRef, u32)], outputs: &[Option<(NodeRef, u32)>]) ->
 
     let mut next_nodes: Vec<Option<NonNull<RawNode>>> = Vec::new();
     let mut input_nrs: Vec<u32> = Vec::new();
-    let mut input_meta: Vec<u8> = Vec::new();
-    let mut meta_start: Vec<u32> = vec![0];
+    let mut input_meta: Vec<u8> = Vec::with_capacity(last.meta);
+    let mut meta_start: Vec<u32> = Vec::with_capacity(last.nodes + 1);
+    meta_start.push(0);
     let mut nested_inputs = false;
     graph.edge_start.push(0);
     let mut n = 0usize;
@@ -314,6 +336,11 @@ pub fn snapshot(roots: &[(NodeRef, u32)], outputs: &[Option<(NodeRef, u32)>]) ->
         graph.edge_start.push(graph.edges.len() as u32);
         n += 1;
     }
+    LAST_SIZES.set(Sizes {
+        nodes: handles.len(),
+        edges: graph.edges.len(),
+        meta: input_meta.len(),
+    });
     graph.outputs = outputs
         .iter()
         .map(|o| match o {
