@@ -312,8 +312,8 @@ def test_a_compile_failure_after_a_graph_break_is_remedied_for_later_calls():
         assert_grads_equal(expected, grads_of([early, late]), exact=True)
     (entry,) = replaygrad._compile.cache._entries.values()
     assert entry.replay.breakless
-    info = replaygrad.cache_info()
-    assert (info.misses, info.hits) == (1, 2)
+    lookups = replaygrad.cache_info()
+    assert (lookups.misses, lookups.hits) == (1, 2)
 
 
 def test_a_compile_failure_before_anything_ran_falls_back_to_the_engine():
