@@ -98,6 +98,22 @@ impl Plan {
             })
     }
 
+    /// Whether this plan's `inputs=` edges are `outputs` (those the engine made for the same
+    /// tensors, in order): the same nodes and input numbers where the plan found the edge in
+    /// its graph. An edge it did not find is not reachable from the roots, whichever node the
+    /// engine gave it (a fresh Identity for a leaf without an AccumulateGrad).
+    pub fn has_outputs(&self, outputs: &[Option<(NodeRef, u32)>]) -> bool {
+        let graph = &self.snapshot.graph;
+        graph.outputs.len() == outputs.len()
+            && graph.outputs.iter().zip(outputs).all(|(edge, output)| {
+                !edge.is_valid()
+                    || output.as_ref().is_some_and(|(node, input_nr)| {
+                        edge.input_nr == *input_nr
+                            && self.snapshot.handles[edge.node as usize].as_ptr() == node.as_ptr()
+                    })
+            })
+    }
+
     pub fn num_steps(&self) -> usize {
         self.schedule.len()
     }

@@ -120,21 +120,28 @@ impl PyPlan {
     }
 
     /// Takes the engine's call behind `call` (the capsule the hook passed) as this plan's
-    /// when it is the plain backward() the plan was made for by `plan_backward` (the same
-    /// roots): its validated root gradients and flags replace the plan's. False (and the
-    /// plan unchanged) for any other call.
+    /// when it is the call the plan was made for by `plan_backward` (the same roots, the
+    /// same `inputs=` edges, accumulating or not): its validated root gradients and flags
+    /// replace the plan's. False (and the plan unchanged) for any other call.
     fn adopt(&mut self, call: &Bound<'_, PyAny>) -> PyResult<bool> {
         // SAFETY: live object, GIL held.
         let call = unsafe { EngineCall::read(call.as_ptr()) }?;
-        let plain = call.outputs.is_none() && call.accumulate_grad && !call.create_graph;
-        let made_plain = self.plan.snapshot.graph.outputs.is_empty()
-            && self.call.as_ref().is_some_and(|c| c.accumulate_grad);
-        if !plain || !made_plain || !self.plan.has_roots(&call.roots) {
+        let same = self
+            .call
+            .as_ref()
+            .is_some_and(|c| c.accumulate_grad == call.accumulate_grad)
+            && !call.create_graph
+            && self.plan.has_roots(&call.roots)
+            && match &call.outputs {
+                None => self.plan.snapshot.graph.outputs.is_empty(),
+                Some(outputs) => !outputs.is_empty() && self.plan.has_outputs(outputs),
+            };
+        if !same {
             return Ok(false);
         }
         self.call = Some(CallData {
             root_grads: call.root_grads,
-            accumulate_grad: true,
+            accumulate_grad: call.accumulate_grad,
             keep_graph: call.keep_graph,
         });
         Ok(true)

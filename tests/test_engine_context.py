@@ -490,6 +490,36 @@ def test_a_backward_running_user_code_runs_in_the_engine_planned_once(engine_cal
     assert got[1] == expected[1]
 
 
+@pytest.mark.parametrize("how", ["grad", "backward(inputs=)"])
+def test_a_grad_running_user_code_runs_in_the_engine_planned_once(engine_calls, how):
+    def run(unused):
+        torch.manual_seed(0)
+        x = torch.randn(3, requires_grad=True)
+        w = torch.randn(3, requires_grad=True)
+        seen = []
+        h = x.sin()
+        h.register_hook(lambda g: seen.append(torch._C._current_graph_task_id() != -1))
+        loss = (h * w).exp().sum()
+        inputs = [x, unused] if unused is not None else [x]
+        if how == "grad":
+            return torch.autograd.grad(loss, inputs, allow_unused=True), seen
+        loss.backward(inputs=inputs)
+        return (x.grad, w.grad), seen
+
+    unused = torch.randn(2, requires_grad=True)  # a leaf the graph does not reach
+    expected = run(unused)
+    before = replaygrad.cache_info()
+    with replaygrad.enable("aot_eager"):
+        got = run(unused)
+    assert_replayed(before)
+    assert engine_calls() == {"engine": 1, "plan_engine_call": 0, "plan_backward": 1}
+    assert got[1] == expected[1] == [True]
+    for e, g in zip(expected[0], got[0]):
+        assert (e is None) == (g is None)
+        if e is not None:
+            torch.testing.assert_close(g, e)
+
+
 @pytest.mark.parametrize(
     "grad",
     [

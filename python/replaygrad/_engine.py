@@ -189,7 +189,7 @@ def _replay_without_engine(
     """Replays ``backward(tensors, grads)`` (with ``inputs``: see
     :func:`_grad_without_engine`) without the engine, if nothing can tell the difference,
     returning what the replay returns; None to have the engine take the call (then handing
-    a plan made here for a plain backward to the hook, so that the call is planned once).
+    a plan made here to the hook, so that the call is planned once).
 
     Nothing can when no code of the user's runs during the call (no hook but
     retains_grad's, no custom Function, no saved_tensors_hooks, no step that runs as
@@ -231,8 +231,7 @@ def _replay_without_engine(
     except RuntimeError:
         return None  # the engine plans it again, and raises where eager does
     if not plan.runs_only_formulas:
-        if inputs is None:
-            _tls.planned = plan
+        _tls.planned = plan
         return None
     # As in the hook's callback, backward calls made during the replay (e.g. by a compiler)
     # run in the engine; and as in run_backward, the C++ warnings of the nodes the shim runs

@@ -480,4 +480,8 @@ fn only_formulas_and_the_roots_a_plan_was_made_for() {
     let plan = Plan::build_for(&[edge(&z)], Some(&[input]), false).expect("plan");
     assert!(plan.layout.steps.iter().any(|s| s.mode == StepMode::Skipped));
     assert!(plan.runs_only_formulas(), "steps not needed run nothing");
+    let w_edge = NodeRef::input_edge(&w).unwrap();
+    assert!(plan.has_outputs(&[NodeRef::input_edge(&x).unwrap()]));
+    assert!(!plan.has_outputs(&[w_edge]), "another input");
+    assert!(!plan.has_outputs(&[]), "fewer inputs");
 }
