@@ -9,7 +9,7 @@ use tch::Tensor;
 
 use crate::errors::{ErrorKind, ShimError};
 use crate::ffi::{self, HookKind, NodeKind, NodeRef, PlannedHooks};
-use crate::graph::{snapshot, Snapshot};
+use crate::graph::{snapshot, Edge, Snapshot};
 use crate::layout::{layout, HookRef, Layout, StepMode};
 use crate::order::{schedule, ExecInfo, Schedule};
 
@@ -92,10 +92,11 @@ impl Plan {
     pub fn has_roots(&self, roots: &[(NodeRef, u32)]) -> bool {
         let graph = &self.snapshot.graph;
         graph.roots.len() == roots.len()
-            && graph.roots.iter().zip(roots).all(|(edge, (node, input_nr))| {
-                edge.input_nr == *input_nr
-                    && self.snapshot.handles[edge.node as usize].as_ptr() == node.as_ptr()
-            })
+            && graph
+                .roots
+                .iter()
+                .zip(roots)
+                .all(|(edge, root)| self.is_edge(edge, root))
     }
 
     /// Whether this plan's `inputs=` edges are `outputs` (those the engine made for the same
@@ -106,12 +107,13 @@ impl Plan {
         let graph = &self.snapshot.graph;
         graph.outputs.len() == outputs.len()
             && graph.outputs.iter().zip(outputs).all(|(edge, output)| {
-                !edge.is_valid()
-                    || output.as_ref().is_some_and(|(node, input_nr)| {
-                        edge.input_nr == *input_nr
-                            && self.snapshot.handles[edge.node as usize].as_ptr() == node.as_ptr()
-                    })
+                !edge.is_valid() || output.as_ref().is_some_and(|output| self.is_edge(edge, output))
             })
+    }
+
+    /// Whether the plan's (valid) `edge` is the live edge `(node, input_nr)`.
+    fn is_edge(&self, edge: &Edge, (node, input_nr): &(NodeRef, u32)) -> bool {
+        edge.input_nr == *input_nr && self.snapshot.handles[edge.node as usize].as_ptr() == node.as_ptr()
     }
 
     pub fn num_steps(&self) -> usize {
