@@ -904,8 +904,9 @@ struct rg_collector {
   std::vector<std::pair<std::pair<uint32_t, uintptr_t>, const SavedVariable*>> order;
   // A tensor saved more than once (by several nodes, or twice by one) gets one value, the
   // one of its first slot (index into `values`): a compiled replay then takes it as one
-  // input, as torch's compiled autograd does. Keyed by the unpacked tensor, which `sources`
-  // keeps alive so that its address is not reused by another tensor during the walk.
+  // input, as torch's compiled autograd does. Keyed by the unpacked tensor, which its value
+  // or `sources` keeps alive so that its address is not reused by another tensor during the
+  // walk.
   SlotTable first_slot;
   std::vector<at::Tensor> sources;
   // Wrapped numbers (the Python scalars ops take as 0-dim tensors, e.g. the 0.9 of
@@ -1288,6 +1289,18 @@ static bool append_ctx_state(PyObject* ctx, std::vector<uint8_t>& key) {
   return plain;
 }
 
+// Whether a tensor's Python object is a torch.Tensor (or, with `parameter`, an
+// nn.Parameter) of its own class with no attributes of its own.
+static bool plain_tensor_object(PyObject* obj, bool parameter) {
+  auto* type = Py_TYPE(obj);
+  if (type != reinterpret_cast<PyTypeObject*>(THPVariableClass) &&
+      !(parameter && type == reinterpret_cast<PyTypeObject*>(ParameterClass))) {
+    return false;
+  }
+  PyObject** dict = _PyObject_GetDictPtr(obj);
+  return !(dict && *dict && PyDict_GET_SIZE(*dict) > 0);
+}
+
 // A Python Function's backward sees its saved tensors as the Python objects it saved: one of
 // a subclass (whose __torch_function__ runs there) or with attributes of its own would be a
 // plain tensor in a compiled replay, so a node that saved one runs as itself.
@@ -1300,14 +1313,7 @@ static bool plain_saved_objects(const SavedVariableMap& unpacked,
       continue;
     }
     PyObject* obj = tensors[arg->index()].unsafeGetTensorImpl()->pyobj_slot()->load_pyobj();
-    if (!obj) {
-      continue;
-    }
-    auto* type = Py_TYPE(obj);
-    PyObject** dict = _PyObject_GetDictPtr(obj);
-    if ((type != reinterpret_cast<PyTypeObject*>(THPVariableClass) &&
-         type != reinterpret_cast<PyTypeObject*>(ParameterClass)) ||
-        (dict && *dict && PyDict_GET_SIZE(*dict) > 0)) {
+    if (obj && !plain_tensor_object(obj, /*parameter=*/true)) {
       plain = false;
       break;
     }
@@ -1322,6 +1328,12 @@ static uint32_t version_of(const at::Tensor& value) {
   return impl->is_inference() ? 0 : impl->version_counter().current_version();
 }
 
+// A dense tensor of no subclass (no Python dispatch).
+static bool plain_dense(const c10::TensorImpl* impl) {
+  return typeid(*impl) == typeid(c10::TensorImpl) && impl->layout() == c10::kStrided &&
+         !impl->key_set().has_any(c10::python_ks);
+}
+
 // A saved value as a replay input: detached from the graph, but reporting requires_grad as
 // the unpacked original does (backward formulas such as linalg_solve_backward ask
 // `A.requires_grad()` to decide which gradients to compute).
@@ -1331,12 +1343,10 @@ static at::Tensor detached_value(const at::Tensor& unpacked) {
   }
   at::Tensor value;
   c10::TensorImpl* impl = unpacked.unsafeGetTensorImpl();
-  if (typeid(*impl) == typeid(c10::TensorImpl) && impl->layout() == c10::kStrided &&
-      !impl->key_set().has_any(c10::python_ks)) {
+  if (plain_dense(impl)) {
     // What detach() makes of a plain dense tensor (make_variable_non_differentiable_view:
     // a shallow copy sharing the version counter, without autograd metadata), without the
-    // dispatcher's two copies and profiler bookkeeping: this runs for every saved value of
-    // every call.
+    // dispatcher's two copies and profiler bookkeeping.
     value = at::Tensor(impl->shallow_copy_and_detach(
         torch::autograd::impl::version_counter(unpacked),
         /*allow_tensor_metadata_change=*/false));
@@ -1348,6 +1358,25 @@ static at::Tensor detached_value(const at::Tensor& unpacked) {
     value.set_requires_grad(true);
   }
   return value;
+}
+
+// A saved value as a replay input, planned for every saved value of every call. A plain dense
+// tensor that is not a view, whose Python object (if it has one yet) is a plain torch.Tensor,
+// is the input itself: replays run without grad mode, where its grad_fn is never looked at,
+// and it needs no new tensor, nor a new Python object when it already has one (a tensor of
+// the forward the user let go of keeps it while the graph holds the tensor). Others are
+// detached: a view's base and a subclass's type would be seen by the compiler.
+static at::Tensor replay_value(const at::Tensor& unpacked) {
+  c10::TensorImpl* impl = unpacked.unsafeGetTensorImpl();
+  if (plain_dense(impl)) {
+    const auto* meta = static_cast<const torch::autograd::AutogradMeta*>(impl->autograd_meta());
+    PyObject* obj = impl->pyobj_slot()->load_pyobj();
+    if ((meta == nullptr || !meta->is_view_) &&
+        (obj == nullptr || plain_tensor_object(obj, /*parameter=*/false))) {
+      return unpacked;
+    }
+  }
+  return detached_value(unpacked);
 }
 
 rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t* n_saved,
@@ -1451,8 +1480,10 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
       }
       const size_t first = c->first_slot.find_or_insert(same, slot);
       if (first == slot) {
-        value = detached_value(source);
-        c->sources.push_back(source);
+        value = replay_value(source);
+        if (!value.is_same(source)) {
+          c->sources.push_back(source);
+        }
       } else {
         value = c->values[first];
         if (same != impl) {

@@ -924,7 +924,7 @@ impl Collector {
         Ok(svs)
     }
 
-    /// Slot `i`'s value as planned (detached; None if undefined).
+    /// Slot `i`'s value as planned (see `rg_collector_visit`; None if undefined).
     pub fn value(&self, i: usize) -> Result<Option<Tensor>, ShimError> {
         let mut value = ptr::null_mut();
         // SAFETY: out-pointer to a local; the shim checks the index.

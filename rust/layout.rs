@@ -63,7 +63,7 @@ pub struct Layout {
     pub hooks: Vec<HookRef>,
     /// Slot → the node's own SavedVariable (swapped during the call).
     pub svs: Vec<*const RawSavedVariable>,
-    /// Slot → the value it held when planned (detached; None if undefined), kept where
+    /// Slot → the value it held when planned (as a replay input; None if undefined), kept where
     /// compiled_args collected it.
     pub values: Collector,
     /// The lifted sizes of every traced step: replay inputs, not part of the key, so that a

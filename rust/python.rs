@@ -336,7 +336,7 @@ impl PyPlan {
         to_py_tuple(py, out)
     }
 
-    /// The saved values of traced steps, one per slot, as planned (detached).
+    /// The saved values of traced steps, one per slot, as planned (replay inputs).
     fn saved_values<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         // SAFETY: the GIL is held; the shim returns a new reference to a list.
         let list = unsafe { self.plan.layout.values.values_to_list() }?;

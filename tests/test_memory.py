@@ -94,9 +94,10 @@ def test_a_failed_call_on_another_thread_frees_its_saved_values(compiler):
 
 
 def test_the_saved_values_a_replay_makes_are_not_tracked_by_the_cycle_collector():
-    # A replay makes a Python tensor per saved value per call. Tracked, the collections
-    # during calls moved them to the oldest generation, and a full collection of the heap
-    # (hundreds of ms with torch imported) followed every few hundred calls of a long chain.
+    # A replay makes a Python tensor per saved value per call that has none yet. Tracked,
+    # the collections during calls moved them to the oldest generation, and a full collection
+    # of the heap (hundreds of ms with torch imported) followed every few hundred calls of a
+    # long chain.
     from torch.testing._internal.logging_tensor import LoggingTensor
 
     from replaygrad import _core
@@ -104,14 +105,19 @@ def test_the_saved_values_a_replay_makes_are_not_tracked_by_the_cycle_collector(
     x = torch.randn(4, requires_grad=True)
     y = x
     for _ in range(3):
-        y = y.sin() * 1.5 + 0.5
+        y = (y * 1.5).exp()  # saves the wrapped 1.5 and exp's result: no Python objects yet
     plan = _core.plan([y.sum()])
     values = [v for v in plan.saved_values() if v is not None]
-    assert len(values) >= 6  # the inputs of sin and mul, mul's wrapped scalar
+    assert len(values) >= 4  # exp's results, mul's wrapped scalar (one value for all three)
     assert not any(gc.is_tracked(v) for v in values)
     refs = [weakref.ref(v) for v in values]
     del plan, values, y
     assert [r() for r in refs] == [None] * len(refs), "untracked, they are still freed"
+
+    # A saved tensor of the user's is a saved value as it is, its own Python object.
+    y = x.sin()
+    (value,) = _core.plan([y.sum()]).saved_values()
+    assert value is x
 
     # A subclass detaches itself: its Python object is its own, and stays tracked.
     s = LoggingTensor(torch.randn(3)).requires_grad_()
