@@ -144,6 +144,16 @@ variable_list to_list(const rg_tensor* const* ts, size_t n) {
   }
   return out;
 }
+// The tensors of `n` handles (null: undefined), moved out of them.
+variable_list take_list(rg_tensor* const* ts, size_t n) {
+  variable_list out;
+  out.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    out.emplace_back(ts[i] ? std::move(*reinterpret_cast<at::Tensor*>(ts[i])) : at::Tensor());
+  }
+  return out;
+}
+
 void write_list(variable_list&& list, rg_tensor** out) {
   for (size_t i = 0; i < list.size(); ++i) {
     out[i] = new_handle(std::move(list[i]));
@@ -1722,10 +1732,10 @@ rg_status rg_node_call_new_tensor_pre_hooks(rg_node* n, const rg_planned_hooks* 
   RG_CATCH
 }
 
-rg_status rg_node_apply(rg_node* n, const rg_tensor* const* inputs, size_t n_inputs,
-                        const rg_sv* const* svs, const rg_tensor* const* saved, size_t n_saved,
-                        const rg_planned_hooks* live, rg_tensor** out, size_t cap,
-                        size_t* n_out) {
+rg_status rg_node_apply(rg_node* n, rg_tensor* const* inputs, size_t n_inputs,
+                        int take_inputs, const rg_sv* const* svs, const rg_tensor* const* saved,
+                        size_t n_saved, const rg_planned_hooks* live, rg_tensor** out,
+                        size_t cap, size_t* n_out) {
   RG_TRY
   Node& node = *as_node(n);
   *n_out = 0;
@@ -1736,7 +1746,7 @@ rg_status rg_node_apply(rg_node* n, const rg_tensor* const* inputs, size_t n_inp
     at::AutoGradMode grad_mode(false);
     WithoutGil no_gil;
     RECORD_EVALUATE_FUNCTION(node);
-    variable_list args = to_list(inputs, n_inputs);
+    variable_list args = take_inputs ? take_list(inputs, n_inputs) : to_list(inputs, n_inputs);
     if (live != nullptr) {
       args = call_new_pre_hooks(node, *live, std::move(args));
     }

@@ -194,10 +194,13 @@ rg_status rg_collector_values_to_list(const rg_collector* c, PyObject** out);
 // removed then, which may have got some since) are called here as the engine calls them:
 // tensor pre-hooks, retains_grad hooks and pre-hooks before it, post hooks after it (given
 // the inputs only if the node had post hooks when it was called). Null: traced.
-rg_status rg_node_apply(rg_node* node, const rg_tensor* const* inputs, size_t n_inputs,
-                        const rg_sv* const* svs, const rg_tensor* const* saved, size_t n_saved,
-                        const rg_planned_hooks* live, rg_tensor** out, size_t cap,
-                        size_t* n_out);
+// `take_inputs`: the node takes the inputs over, their handles are left undefined, so that
+// it can free a gradient no one else holds while it runs, as the engine moves its input
+// buffer into the call (a Function with boxed_grads_call clears the list it gets).
+rg_status rg_node_apply(rg_node* node, rg_tensor* const* inputs, size_t n_inputs,
+                        int take_inputs, const rg_sv* const* svs, const rg_tensor* const* saved,
+                        size_t n_saved, const rg_planned_hooks* live, rg_tensor** out,
+                        size_t cap, size_t* n_out);
 // *out = 1 if the node has hooks other than `planned` that do something (not a Python hook
 // without callables), else 0; with `tensor_pre_only`, only tensor pre-hooks and retains_grad
 // hooks count (all the engine calls for a node it does not run). Needs the GIL.

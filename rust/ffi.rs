@@ -162,8 +162,9 @@ extern "C" {
 
     fn rg_node_apply(
         node: *mut RawNode,
-        inputs: *const *const C_tensor,
+        inputs: *const *mut C_tensor,
         n_inputs: usize,
+        take_inputs: c_int,
         svs: *const *const RawSavedVariable,
         saved: *const *const C_tensor,
         n_saved: usize,
@@ -635,6 +636,15 @@ fn written_values(
     Ok(values)
 }
 
+/// A node's input gradients for [`apply_node`].
+pub enum Inputs<'a> {
+    /// The caller keeps them: the node gets references of its own.
+    Lent(&'a [Option<Tensor>]),
+    /// Handed over: the node holds the caller's references, and can free a gradient no one
+    /// else holds while it runs, as the engine moves its input buffer into the call.
+    Taken(Vec<Option<Tensor>>),
+}
+
 /// Runs `node(inputs)` like the engine's call_function (grad mode off, validate_outputs),
 /// with `saved[i]` swapped into `svs[i]` for the call. With `live` (the node runs for real,
 /// not traced), its hooks other than those are called around it. Returns one entry per next
@@ -642,26 +652,44 @@ fn written_values(
 pub fn apply_node(
     node: &NodeRef,
     num_outputs: u32,
-    inputs: &[Option<Tensor>],
+    mut inputs: Inputs<'_>,
     svs: &[*const RawSavedVariable],
     saved: &[Option<Tensor>],
     live: Option<&PlannedHooks>,
 ) -> Result<Vec<Option<Tensor>>, ShimError> {
     debug_assert_eq!(svs.len(), saved.len());
-    let input_ptrs = tensor_ptrs(inputs);
+    // The shim writes through these pointers (moves from the handles) only when taking.
+    let (input_ptrs, take): (Vec<*mut C_tensor>, bool) = match &mut inputs {
+        Inputs::Lent(values) => (
+            tensor_ptrs(values)
+                .into_iter()
+                .map(<*const _>::cast_mut)
+                .collect(),
+            false,
+        ),
+        Inputs::Taken(values) => (
+            values
+                .iter_mut()
+                .map(|v| v.as_mut().map_or(ptr::null_mut(), |t| t.as_mut_ptr()))
+                .collect(),
+            true,
+        ),
+    };
     let saved_ptrs = tensor_ptrs(saved);
     let live = live.map(PlannedHooks::raw);
     let live_ptr = live
         .as_ref()
         .map_or(ptr::null(), |raw| raw as *const RawPlannedHooks);
     node_outputs(num_outputs, |out, cap, n_out| {
-        // SAFETY: pointer arrays are valid for their lengths; svs point into the live node;
-        // `live` (and the retains_grad outputs it points at) outlives the call.
+        // SAFETY: pointer arrays are valid for their lengths (taken handles are left empty,
+        // and dropped with `inputs`); svs point into the live node; `live` (and the
+        // retains_grad outputs it points at) outlives the call.
         unsafe {
             rg_node_apply(
                 node.as_ptr(),
                 input_ptrs.as_ptr(),
                 input_ptrs.len(),
+                c_int::from(take),
                 svs.as_ptr(),
                 saved_ptrs.as_ptr(),
                 saved_ptrs.len(),

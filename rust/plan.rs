@@ -165,7 +165,7 @@ impl Plan {
     pub fn apply(
         &self,
         step: u32,
-        inputs: &[Option<Tensor>],
+        inputs: ffi::Inputs<'_>,
         saved: Option<&[Option<Tensor>]>,
         live: bool,
     ) -> Result<Vec<Option<Tensor>>, ShimError> {

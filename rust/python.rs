@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 use tch::Tensor;
 
-use crate::ffi::{self, EngineCall, HookKind, NodeKind, NodeRef};
+use crate::ffi::{self, EngineCall, HookKind, Inputs, NodeKind, NodeRef};
 use crate::layout::StepMode;
 use crate::order::NO_STEP;
 use crate::plan::{Deferred, Plan};
@@ -401,7 +401,11 @@ impl PyPlan {
     /// given `sizes`, its lifted sizes replaced by them (ints or torch.SymInts, see
     /// `size_ranges`). `live`: the node runs for real, and hooks it got since it was planned
     /// are called around it, as the engine calls them (not with `sizes`: a traced run).
-    #[pyo3(signature = (step, inputs, saved=None, sizes=None, live=false))]
+    /// `take`: the node takes the gradients over, and the list `inputs` is emptied first, so
+    /// that a gradient referenced nowhere else is freed when the node lets go of it (as the
+    /// engine moves its input buffer into the call).
+    #[pyo3(signature = (step, inputs, saved=None, sizes=None, live=false, take=false))]
+    #[allow(clippy::too_many_arguments)]
     fn apply<'py>(
         &self,
         py: Python<'py>,
@@ -410,18 +414,26 @@ impl PyPlan {
         saved: Option<&Bound<'py, PyAny>>,
         sizes: Option<&Bound<'py, PyAny>>,
         live: bool,
+        take: bool,
     ) -> PyResult<Bound<'py, PyTuple>> {
-        let inputs = to_tensors(inputs, "gradient")?;
+        let tensors = to_tensors(inputs, "gradient")?;
         let saved = saved.map(|s| to_tensors(s, "saved value")).transpose()?;
         let out = match (sizes, saved.as_deref()) {
-            (Some(_), _) if live => {
+            (Some(_), _) if live || take => {
                 return Err(PyValueError::new_err(
-                    "live hooks are for nodes run for real, not with sizes",
+                    "live hooks and taken inputs are for nodes run for real, not with sizes",
                 ))
             }
-            (Some(sizes), Some(saved)) => self.plan.apply_lifted(step, &inputs, saved, sizes)?,
+            (Some(sizes), Some(saved)) => self.plan.apply_lifted(step, &tensors, saved, sizes)?,
             (Some(_), None) => return Err(PyValueError::new_err("sizes are given only with saved values")),
-            (None, saved) => self.plan.apply(step, &inputs, saved, live)?,
+            (None, saved) if take => {
+                let list = inputs
+                    .cast::<PyList>()
+                    .map_err(|_| PyTypeError::new_err("taken inputs are given as a list"))?;
+                list.del_slice(0, list.len())?;
+                self.plan.apply(step, Inputs::Taken(tensors), saved, live)?
+            }
+            (None, saved) => self.plan.apply(step, Inputs::Lent(&tensors), saved, live)?,
         };
         to_py_tuple(py, out)
     }

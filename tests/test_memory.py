@@ -123,3 +123,52 @@ def test_the_saved_values_a_replay_makes_are_not_tracked_by_the_cycle_collector(
     s = LoggingTensor(torch.randn(3)).requires_grad_()
     values = [v for v in _core.plan([(s * s).sum()]).saved_values() if v is not None]
     assert values and all(type(v) is LoggingTensor and gc.is_tracked(v) for v in values)
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("post_hook", [False, True])
+def test_a_function_run_as_itself_is_handed_its_gradients(compiler, post_hook):
+    # The engine moves a node's gradients into its call: a Function with boxed_grads_call
+    # that clears the list it gets frees a gradient no one else holds (PyTorch's
+    # test_custom_function_boxed_grads_no_extra_refs). A post hook gets them afterwards.
+    alive = []
+
+    class Boxed(torch.autograd.Function):
+        boxed_grads_call = True
+
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grads):
+            grad = grads[0]
+            result = grad * 2
+            ref = weakref.ref(grad)
+            grads.clear()
+            del grad
+            alive.append(ref() is not None)
+            return result
+
+    x0 = torch.randn(4)
+
+    def run():
+        x = x0.clone().requires_grad_()
+        y = Boxed.apply(x.sin())
+        seen = []
+        if post_hook:
+            y.grad_fn.register_hook(lambda grad_inputs, grad_outputs: seen.append(grad_outputs))
+        (y * 3).sum().backward()
+        return x.grad, seen
+
+    expected, expected_seen = run()
+    with replaygrad.enable(compiler):
+        for _ in range(2):
+            got, seen = run()
+            exact = {"rtol": 0, "atol": 0} if compiler is None else {}
+            torch.testing.assert_close(got, expected, **exact)
+            assert [[g.tolist() for g in s] for s in seen] == [
+                [g.tolist() for g in s] for s in expected_seen
+            ]
+    # With a post hook the engine keeps the gradients for it, as the replay does.
+    assert alive == [post_hook] * 3

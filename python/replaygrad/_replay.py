@@ -300,7 +300,7 @@ def apply_function(
     raises on in-place ops (``mul_``) or writes every alias (``fill_``), it runs as itself,
     outside the graph, as hooks given one do. Decided while tracing."""
     if _overlapping(inputs):
-        return apply_opaque(deferred, step, inputs)
+        return apply_opaque(deferred, step, inputs, False)
     return apply_traced(step, inputs, saved, sizes)
 
 
@@ -495,10 +495,11 @@ def _check_saved(step: int, own: bool) -> None:
 
 
 @torch._dynamo.disable
-def apply_opaque(deferred: list, step: int, inputs: list) -> tuple:
-    """An opaque step: a graph break that runs the current graph's node as itself."""
+def apply_opaque(deferred: list, step: int, inputs: list, take: bool) -> tuple:
+    """An opaque step: a graph break that runs the current graph's node as itself, handed
+    its gradients as in the engine; ``take``: no post hook needs ``inputs`` afterwards."""
     with _outside_graph(deferred, step) as plan_step:
-        outputs = current_plan().apply(plan_step, inputs, live=True)
+        outputs = current_plan().apply(plan_step, inputs, live=True, take=take)
     _check_saved(plan_step, own=False)
     return outputs
 
@@ -1305,17 +1306,17 @@ def _region_source(
                 body.append(f"o{k} = apply_traced({k}, i, {saved_k}{lifted})")
             if done is not None:
                 body.append(done)
-        elif mode == "opaque":
-            body.append(f"o{k} = apply_opaque(deferred, {k}, i)")
-        elif mode == "eager_accumulate":
-            # The engine moves the gradient into AccumulateGrad: drop the outputs that held
-            # it first, so that nothing but `i` (kept for post hooks) still does. (A
-            # gradient from an earlier region is still held by `inc`: it is copied.)
+        elif mode in ("opaque", "eager_accumulate"):
+            # The engine moves a node's gradients into its call (AccumulateGrad steals one
+            # no one else holds; a Function's backward may free it): drop the outputs that
+            # held them first, so that nothing but `i` (kept for post hooks) still does. (A
+            # gradient from an earlier region is still held by `inc`.)
             producers = [p for p in dying.get(s, ()) if p != s]
             dying[s] = [p for p in dying.get(s, ()) if p not in producers]
             if producers:
                 body.append(f"del {', '.join(f'o{p - start}' for p in producers)}")
-            body.append(f"o{k} = apply_accumulate(deferred, {k}, i, {not post})")
+            run = "apply_opaque" if mode == "opaque" else "apply_accumulate"
+            body.append(f"o{k} = {run}(deferred, {k}, i, {not post})")
         elif mode == "deferred_accumulate":
             assert (s, -1) in effects
             body.append("deferred.append(i[0])")

@@ -2,7 +2,7 @@
 //! against what the engine does with the same graph.
 
 use replaygrad::errors::{ErrorKind, ShimError};
-use replaygrad::ffi::{NodeKind, NodeRef};
+use replaygrad::ffi::{Inputs, NodeKind, NodeRef};
 use replaygrad::layout::StepMode;
 use replaygrad::plan::Plan;
 use tch::{Device, Kind, Tensor};
@@ -72,7 +72,7 @@ fn run(plan: &Plan, root_grads: Vec<Tensor>, swap_saved: bool) -> Vec<(u32, Tens
             .map(|i| plan.layout.values.value(i as usize).expect("saved value"))
             .collect();
         let out = plan
-            .apply(s, &inputs, swap_saved.then_some(&saved[..]), true)
+            .apply(s, Inputs::Taken(inputs), swap_saved.then_some(&saved[..]), true)
             .expect("apply");
         outputs.push(out);
     }
@@ -117,7 +117,7 @@ fn swapped_saved_values_are_used_and_then_restored() {
     let out = plan
         .apply(
             mul,
-            &[Some(ones.shallow_clone())],
+            Inputs::Lent(&[Some(ones.shallow_clone())]),
             Some(&[Some(ten.shallow_clone()), Some(hundred.shallow_clone())]),
             false,
         )
@@ -317,7 +317,9 @@ fn bad_step_numbers_are_errors_not_crashes() {
     let x = leaf(&[1.0]);
     let y = x.exp().sum(Kind::Float);
     let plan = plan_of(&[&y]);
-    let err = plan.apply(99, &[], None, true).expect_err("out of range");
+    let err = plan
+        .apply(99, Inputs::Lent(&[]), None, true)
+        .expect_err("out of range");
     assert!(matches!(
         err,
         ShimError::Torch {
@@ -326,7 +328,7 @@ fn bad_step_numbers_are_errors_not_crashes() {
         }
     ));
     let err = plan
-        .apply(1, &[None], Some(&[]), false)
+        .apply(1, Inputs::Lent(&[None]), Some(&[]), false)
         .expect_err("wrong saved count");
     assert!(matches!(
         err,
