@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
 import subprocess
 from pathlib import Path
 
@@ -34,3 +36,34 @@ def test_metadata_pins_the_torch_series():
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert 'dependencies = ["torch==2.13.*"]' in pyproject
     assert replaygrad._core.TORCH_VERSION.startswith("2.13.")
+
+
+def _stub_parameters(fn: ast.FunctionDef) -> list[str]:
+    args = fn.args
+    names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
+    names += [a.arg for a in (args.vararg, args.kwarg) if a is not None]
+    return names
+
+
+def test_the_native_module_stub_names_every_parameter_as_the_module_does():
+    from replaygrad import _core
+
+    tree = ast.parse((ROOT / "python" / "replaygrad" / "_core.pyi").read_text())
+    compared, mismatched = 0, []
+    for node in tree.body:
+        owner, defs = _core, [node]
+        if isinstance(node, ast.ClassDef):
+            owner = getattr(_core, node.name)
+            defs = [f for f in node.body if isinstance(f, ast.FunctionDef) and not f.decorator_list]
+        for fn in defs:
+            if not isinstance(fn, ast.FunctionDef):
+                continue
+            try:
+                signature = inspect.signature(getattr(owner, fn.name))
+            except ValueError:  # a METH_FASTCALL function made by the shim (buffer_sum)
+                continue
+            compared += 1
+            if list(signature.parameters) != _stub_parameters(fn):
+                mismatched.append((fn.name, list(signature.parameters), _stub_parameters(fn)))
+    assert compared > 30
+    assert not mismatched

@@ -190,9 +190,9 @@ def apply_traced(step: int, inputs: list, saved: list, sizes: list | None = None
                 outputs = _apply(run.plan, plan_step, inputs, saved, sizes, may_break)
         elif function:
             # Run for real, a Python Function's backward gets the tensors it saved, the very
-            # objects (ctx.saved_tensors), as in eager: not the replay's (maybe detached)
-            # values.
-            # It is code outside the graph: the call cannot start over after it.
+            # objects (ctx.saved_tensors), as in eager, not the replay's values (detached
+            # where a view or a subclass). It is code outside the graph: the call cannot
+            # start over after it.
             run.restartable = False
             run.current = plan_step
             try:
