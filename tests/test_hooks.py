@@ -818,7 +818,7 @@ def test_callable_added_during_a_compiled_backward_to_a_traced_hook(caplog):
 @pytest.mark.parametrize("compiler", FAST_COMPILERS)
 @pytest.mark.parametrize(
     "change",
-    [_add_tensor_hook, _add_node_pre_hook, _add_node_post_hook, _add_leaf_hook],
+    [_add_tensor_hook, _add_node_pre_hook, _add_node_post_hook, _add_leaf_hook, _retain_grad],
 )
 def test_hooks_added_during_backward_to_a_node_that_runs_as_itself(compiler, change):
     # A node run for real calls the hooks it got since the call was planned, also in a
@@ -826,7 +826,9 @@ def test_hooks_added_during_backward_to_a_node_that_runs_as_itself(compiler, cha
     compare(_changed_during_backward(change, Doubling.apply), compiler)
 
 
-@pytest.mark.parametrize("change", [_add_tensor_hook, _add_node_pre_hook, _add_node_post_hook])
+@pytest.mark.parametrize(
+    "change", [_add_tensor_hook, _add_node_pre_hook, _add_node_post_hook, _retain_grad]
+)
 def test_hook_added_during_a_compiled_backward_to_a_traced_node(change, caplog):
     # A traced step calls the hooks its node had when the call was planned: the first call
     # misses the new one and says so, and later calls run that node as itself, which calls

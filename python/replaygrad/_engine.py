@@ -645,7 +645,10 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
     # AccumulateGrad rather than copied, as in the engine.
     plan.run_deferred(deferred)
     entry.calls += 1
-    if config.compiler is not None and RemovableHandle.next_id != handles:
+    # Hooks registered during the call have handles; `retain_grad` (a retains_grad hook) has
+    # none, and only code that ran outside the graph can call it (Dynamo breaks the graph
+    # there).
+    if config.compiler is not None and (RemovableHandle.next_id != handles or not run.restartable):
         _hooks_registered_during(entry, plan, config, hooks)
     if entry.replay.hooks_in_graph:
         if hooks and entry.calls > 1 and _graphs_compiled() > graphs:
