@@ -114,10 +114,17 @@ def test_the_saved_values_a_replay_makes_are_not_tracked_by_the_cycle_collector(
     del plan, values, y
     assert [r() for r in refs] == [None] * len(refs), "untracked, they are still freed"
 
-    # A saved tensor of the user's is a saved value as it is, its own Python object.
+    # A saved tensor of the user's is a saved value as it is, its own Python object; a view
+    # or a Parameter is detached (the compiler would see the base, or the type).
     y = x.sin()
     (value,) = _core.plan([y.sum()]).saved_values()
     assert value is x
+    view = x[1:]
+    (value,) = _core.plan([view.sin().sum()]).saved_values()
+    assert value is not view and not value._is_view() and value.data_ptr() == view.data_ptr()
+    weight = torch.nn.Parameter(torch.randn(4))
+    (value,) = _core.plan([weight.sin().sum()]).saved_values()
+    assert type(value) is torch.Tensor and value.requires_grad
 
     # A subclass detaches itself: its Python object is its own, and stays tracked.
     s = LoggingTensor(torch.randn(3)).requires_grad_()
