@@ -494,23 +494,32 @@ def _apply_remedy(remedy: str | set[int], entry: Entry, plan: _core.Plan, config
     return False
 
 
-def _hooks_registered_during(entry: Entry, plan: _core.Plan, config: Config, hooks: list) -> None:
-    """After a compiled call during which hooks were registered (every hook's handle is a
-    ``RemovableHandle``, numbered in order). A traced step calls the hooks its node had
-    when the call was planned, and a Python hook traced into the graph the callables its
-    dict had then (``hooks``), so a hook registered during the backward was not called if
-    its node had not run yet; nor does a step the call does not need call the tensor
-    pre-hooks its node got (the engine does, before taking ``autograd.grad``'s captures
-    there). Later calls run such steps as themselves, where a node calls the hooks it got
-    since the call was planned (a step not needed, its tensor pre-hooks only), and such
-    hooks outside the graph, where they read their dict when reached, as the engine does."""
+def _hooks_registered_during(
+    entry: Entry, plan: _core.Plan, config: Config, hooks: list, handles: bool
+) -> None:
+    """After a compiled call during which hooks may have been registered: ``handles``, some
+    got a ``RemovableHandle`` (every hook's handle is one, numbered in order); else code ran
+    outside the graph, which may have called ``retain_grad`` (no handle). A traced step
+    calls the hooks its node had when the call was planned, and a Python hook traced into
+    the graph the callables its dict had then (``hooks``), so a hook registered during the
+    backward was not called if its node had not run yet; nor does a step the call does not
+    need call the tensor pre-hooks its node got (the engine does, before taking
+    ``autograd.grad``'s captures there). Later calls run such steps as themselves, where a
+    node calls the hooks it got since the call was planned (a step not needed, its tensor
+    pre-hooks only), and such hooks outside the graph, where they read their dict when
+    reached, as the engine does."""
     # Nodes the call does not need count too: the engine calls their tensor pre-hooks
     # (before taking autograd.grad's captures there).
     steps = set(plan.steps_with_new_hooks()) - entry.opaque
-    added = entry.replay.hooks_in_graph and any(
-        fn not in before
-        for fns, before in zip(hook_arguments(plan.hook_dicts(), True), hooks)
-        for fn in fns
+    # A callable added to a hook's dict has a handle.
+    added = (
+        handles
+        and entry.replay.hooks_in_graph
+        and any(
+            fn not in before
+            for fns, before in zip(hook_arguments(plan.hook_dicts(), True), hooks)
+            for fn in fns
+        )
     )
     if not steps and not added:
         return
@@ -648,8 +657,9 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
     # Hooks registered during the call have handles; `retain_grad` (a retains_grad hook) has
     # none, and only code that ran outside the graph can call it (Dynamo breaks the graph
     # there).
-    if config.compiler is not None and (RemovableHandle.next_id != handles or not run.restartable):
-        _hooks_registered_during(entry, plan, config, hooks)
+    new_handles = RemovableHandle.next_id != handles
+    if config.compiler is not None and (new_handles or not run.restartable):
+        _hooks_registered_during(entry, plan, config, hooks, new_handles)
     if entry.replay.hooks_in_graph:
         if hooks and entry.calls > 1 and _graphs_compiled() > graphs:
             cache.move_hooks_outside(
