@@ -351,7 +351,7 @@ def _engine_only_reason() -> str | None:
 
 #: The types of values a compiled replay takes (saved values and root gradients may be
 #: undefined).
-_PLAIN_VALUES = (torch.Tensor, torch.nn.Parameter, type(None))
+_PLAIN_VALUES = (*_PLAIN, type(None))
 
 
 _batched = torch._C._functorch.is_legacy_batchedtensor
