@@ -338,9 +338,32 @@ class WithoutGil {
   std::optional<pybind11::gil_scoped_release> release_;
 };
 
+// A replay swaps its values into live nodes (their SavedVariables, and for a lifted node the
+// input metadata its edges point at) for the duration of one node, fake tensors while a
+// compiler traces it; the graph may be another thread's too (backward calls through one
+// graph from several threads, retain_graph=True). Planning, swapping, releasing saved
+// variables and validating against input metadata hold this lock, so that no thread sees
+// another's swapped values and swaps do not overlap. Recursive: a node may run a backward.
+std::recursive_mutex graph_mutex;
+
+// Holds graph_mutex; waits for it without the GIL, which its holder may need.
+class GraphLock {
+ public:
+  GraphLock() : lock_(graph_mutex, std::try_to_lock) {
+    if (!lock_.owns_lock()) {
+      WithoutGil no_gil;
+      lock_.lock();
+    }
+  }
+
+ private:
+  std::unique_lock<std::recursive_mutex> lock_;
+};
+
 // Engine's call_function: outputs are checked and cast against the next nodes' input
 // metadata before anything else sees them.
 void validate(const Node& node, const edge_list& edges, variable_list& outputs) {
+  GraphLock lock;
   torch::autograd::validate_outputs(edges, outputs, [&](const std::string& msg) {
     return "Function " + node.name() + " returned an " + msg;
   });
@@ -1741,6 +1764,10 @@ rg_status rg_node_apply(rg_node* n, rg_tensor* const* inputs, size_t n_inputs,
   *n_out = 0;
   variable_list outputs;
   {
+    std::optional<GraphLock> lock;
+    if (n_saved > 0) {
+      lock.emplace();
+    }
     SavedSwap swap;
     swap.swap_in(svs, saved, n_saved);
     at::AutoGradMode grad_mode(false);
@@ -1768,6 +1795,7 @@ rg_status rg_node_apply_lifted(rg_node* n, const rg_tensor* const* inputs, size_
   RG_TRY
   Node& node = *as_node(n);
   *n_out = 0;
+  GraphLock lock;
   // The node's state as compiled_args describes it: its saved variables (mapped to the given
   // values in slot order) and its size inputs.
   AutogradCompilerCall compiler{SizeInput::STATIC};
@@ -1888,6 +1916,7 @@ rg_status rg_validate_root_grads(rg_node* const* nodes, const uint32_t* input_nr
     }
   }
   variable_list values = to_list(grads, n);
+  GraphLock lock;
   torch::autograd::validate_outputs(edges, values, [](const std::string& msg) { return msg; });
   write_list(std::move(values), out);
   RG_CATCH
@@ -1895,8 +1924,20 @@ rg_status rg_validate_root_grads(rg_node* const* nodes, const uint32_t* input_nr
 
 rg_status rg_node_release_variables(rg_node* n) {
   RG_TRY
+  GraphLock lock;
   as_node(n)->release_variables();
   RG_CATCH
+}
+
+rg_status rg_graphs_lock(void) {
+  RG_TRY
+  GraphLock lock;
+  graph_mutex.lock();  // recursive: held once more, past this scope
+  RG_CATCH
+}
+
+void rg_graphs_unlock(void) {
+  graph_mutex.unlock();
 }
 
 rg_status rg_engine_hook_install(PyObject* callback) {

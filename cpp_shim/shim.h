@@ -234,6 +234,11 @@ rg_status rg_node_accumulate(rg_node* node, rg_tensor* grad, const rg_planned_ho
 rg_status rg_validate_root_grads(rg_node* const* nodes, const uint32_t* input_nrs, size_t n,
                                  const rg_tensor* const* grads, rg_tensor** out);
 rg_status rg_node_release_variables(rg_node* node);
+// Takes the lock that planning and swapping values into live nodes hold (recursive; waits
+// without the GIL), so that a thread plans no node another thread has swapped values into.
+rg_status rg_graphs_lock(void);
+// Releases it once.
+void rg_graphs_unlock(void);
 // A new reference to `buffer_sum(*grads)`, a Python function (METH_FASTCALL) for replays run
 // uncompiled: the sum of the gradients in arrival order (None skipped, None if all are), into
 // the first one in place where InputBuffer::add would accumulate in place and nothing else

@@ -207,6 +207,8 @@ extern "C" {
         out: *mut *mut C_tensor,
     ) -> c_int;
     fn rg_node_release_variables(node: *mut RawNode) -> c_int;
+    fn rg_graphs_lock() -> c_int;
+    fn rg_graphs_unlock();
 
     fn rg_engine_hook_install(callback: PyObjectPtr) -> c_int;
     fn rg_engine_hook_uninstall() -> c_int;
@@ -844,6 +846,26 @@ pub fn validate_root_grads(
             )
         }
     })
+}
+
+/// The lock under which a thread plans, and swaps values into live nodes (see
+/// cpp_shim/shim.h, rg_graphs_lock): held while the guard lives, on the thread that took
+/// it. Recursive.
+pub struct GraphsLock(std::marker::PhantomData<*const ()>);
+
+impl GraphsLock {
+    pub fn acquire() -> Result<GraphsLock, ShimError> {
+        // SAFETY: no arguments; the shim waits for the lock without the GIL.
+        check(unsafe { rg_graphs_lock() })?;
+        Ok(GraphsLock(std::marker::PhantomData))
+    }
+}
+
+impl Drop for GraphsLock {
+    fn drop(&mut self) {
+        // SAFETY: this guard's acquire took the lock once on this thread.
+        unsafe { rg_graphs_unlock() }
+    }
 }
 
 /// What `compiled_args` tells about one node.

@@ -50,6 +50,8 @@ impl Plan {
         outputs: Option<&[Option<(NodeRef, u32)>]>,
         accumulate_grad: bool,
     ) -> Result<Plan, ShimError> {
+        // Not while another thread has its values swapped into the nodes.
+        let _lock = ffi::GraphsLock::acquire()?;
         let snapshot = snapshot(roots, outputs.unwrap_or(&[]))?;
         let exec = outputs.map(|_| ExecInfo::new(&snapshot.graph, accumulate_grad));
         let schedule = schedule(&snapshot.graph, exec.as_ref(), false);

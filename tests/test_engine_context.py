@@ -176,6 +176,52 @@ def test_other_threads_use_the_engine():
     assert not errors
 
 
+@pytest.mark.parametrize("compiler", [None, "eager"])
+def test_threads_replaying_one_graph_at_once_get_eager_gradients(compiler):
+    # Replays swap values into the graph's nodes (fake tensors while Dynamo traces them);
+    # threads replaying the same nodes at once must not see each other's. (Dynamo's "eager"
+    # backend: AOTAutograd turns on anomaly detection, process-wide, while it compiles, and
+    # enabled threads' calls then go to the engine, which does not take replaygrad's lock.)
+    torch.manual_seed(0)
+    x = torch.randn(16, 16, requires_grad=True)
+    w = (torch.randn(16, 16) / 4).requires_grad_()
+    y = x
+    for _ in range(20):
+        y = torch.tanh(y @ w) * 1.01 + y[:, :1].sin()
+    loss = y.square().sum()
+    expected = torch.autograd.grad(loss, [x, w], retain_graph=True)
+    start = threading.Barrier(4)
+    errors = []
+
+    def worker():
+        try:
+            with replaygrad.enable(compiler):
+                start.wait()
+                for _ in range(5):
+                    got = torch.autograd.grad(loss, [x, w], retain_graph=True)
+                    for e, g in zip(expected, got):
+                        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    replays = 0
+    for _ in range(3):  # each round compiles anew, in every thread at once
+        replaygrad.reset()
+        before = replaygrad.cache_info()
+        threads = [threading.Thread(target=worker) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[:3]
+        after = replaygrad.cache_info()
+        replays += after.hits + after.misses - before.hits - before.misses
+    assert replays == 60
+    # The graph still holds its own saved values: the engine gives the same gradients.
+    for e, g in zip(expected, torch.autograd.grad(loss, [x, w])):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+
+
 def test_replay_survives_torch_compile_clearing_the_engine_slot():
     # AOTAutograd compiles (of a replay or of a torch.compile'd forward) clear the engine's
     # compiled-autograd slot; replaygrad takes it back.
