@@ -487,3 +487,31 @@ fn only_formulas_and_the_roots_a_plan_was_made_for() {
     assert!(!plan.has_outputs(&[w_edge]), "another input");
     assert!(!plan.has_outputs(&[]), "fewer inputs");
 }
+
+#[test]
+fn the_graphs_lock_is_recursive_and_keeps_other_threads_from_planning() {
+    use replaygrad::ffi::GraphsLock;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    let outer = GraphsLock::acquire().expect("lock");
+    // Planning on the thread that holds it takes it again.
+    let x = leaf(&[1.0, 2.0]);
+    let y = x.sin().sum(Kind::Float);
+    assert_eq!(names(&plan_of(&[&y])), ["SumBackward0", "SinBackward0", ACC]);
+
+    let (done, planned) = mpsc::channel();
+    let other = std::thread::spawn(move || {
+        let x = leaf(&[1.0, 2.0]);
+        let y = x.exp().sum(Kind::Float);
+        let steps = plan_of(&[&y]).num_steps();
+        done.send(steps).expect("send");
+    });
+    assert!(
+        planned.recv_timeout(Duration::from_millis(300)).is_err(),
+        "another thread planned while this one held the lock"
+    );
+    drop(outer);
+    assert_eq!(planned.recv_timeout(Duration::from_secs(30)), Ok(3));
+    other.join().expect("join");
+}
