@@ -130,6 +130,10 @@ const at::Tensor& as_tensor(const rg_tensor* t) {
 SavedVariable* as_sv(const rg_sv* sv) {
   return const_cast<SavedVariable*>(reinterpret_cast<const SavedVariable*>(sv));
 }
+// The tensor of a handle (null: undefined), moved out of it; the handle stays to be freed.
+at::Tensor take_tensor(rg_tensor* t) {
+  return t ? std::move(*reinterpret_cast<at::Tensor*>(t)) : at::Tensor();
+}
 rg_tensor* new_handle(at::Tensor t) {
   if (!t.defined()) {
     return nullptr;
@@ -149,7 +153,7 @@ variable_list take_list(rg_tensor* const* ts, size_t n) {
   variable_list out;
   out.reserve(n);
   for (size_t i = 0; i < n; ++i) {
-    out.emplace_back(ts[i] ? std::move(*reinterpret_cast<at::Tensor*>(ts[i])) : at::Tensor());
+    out.emplace_back(take_tensor(ts[i]));
   }
   return out;
 }
@@ -1888,9 +1892,7 @@ rg_status rg_node_accumulate(rg_node* n, rg_tensor* grad, const rg_planned_hooks
     return fail(RG_KIND_VALUE, "rg_node_accumulate: not an AccumulateGrad node");
   }
   variable_list inputs(1);
-  if (grad) {
-    inputs[0] = std::move(*reinterpret_cast<at::Tensor*>(grad));
-  }
+  inputs[0] = take_tensor(grad);
   at::AutoGradMode grad_mode(false);
   WithoutGil no_gil;
   RECORD_EVALUATE_FUNCTION(node);
