@@ -205,7 +205,7 @@ def test_threads_replaying_one_graph_at_once_get_eager_gradients(compiler):
             errors.append(e)
 
     replays = 0
-    for _ in range(3):  # each round compiles anew, in every thread at once
+    for _ in range(3):  # each round from an empty cache: threads trace while others plan
         replaygrad.reset()
         before = replaygrad.cache_info()
         threads = [threading.Thread(target=worker) for _ in range(4)]
