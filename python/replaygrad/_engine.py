@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -494,54 +495,68 @@ def _apply_remedy(remedy: str | set[int], entry: Entry, plan: _core.Plan, config
     return False
 
 
-def _hooks_registered_during(
-    entry: Entry, plan: _core.Plan, config: Config, hooks: list, handles: bool
+def _hooks_changed_during(
+    entry: Entry,
+    plan: _core.Plan,
+    config: Config,
+    in_graph: bool,
+    dicts: list[dict],
+    hooks: list,
+    handles: bool,
+    outside: bool,
 ) -> None:
-    """After a compiled call during which hooks may have been registered: ``handles``, some
-    got a ``RemovableHandle`` (every hook's handle is one, numbered in order); else code ran
-    outside the graph, which may have called ``retain_grad`` (no handle). A traced step
+    """After a compiled call during which hooks may have changed: ``handles``, some got a
+    ``RemovableHandle`` (every hook's handle is one, numbered in order); ``outside``, code
+    ran outside the graph, which may have called ``retain_grad`` (no handle). A traced step
     calls the hooks its node had when the call was planned, and a Python hook traced into
-    the graph the callables its dict had then (``hooks``), so a hook registered during the
-    backward was not called if its node had not run yet; nor does a step the call does not
-    need call the tensor pre-hooks its node got (the engine does, before taking
-    ``autograd.grad``'s captures there). Later calls run such steps as themselves, where a
-    node calls the hooks it got since the call was planned (a step not needed, its tensor
-    pre-hooks only), and such hooks outside the graph, where they read their dict when
-    reached, as the engine does."""
+    the graph (``in_graph``) the callables its dict (of ``dicts``) had then (``hooks``), so a
+    hook registered during the backward was not called if its node had not run yet, and a
+    callable removed from its dict (by a hook that ran before it, traced or not) was called
+    all the same; nor does a step the call does not need call the tensor pre-hooks its node
+    got (the engine does, before taking ``autograd.grad``'s captures there). Later calls run
+    such steps as themselves, where a node calls the hooks it got since the call was planned
+    (a step not needed, its tensor pre-hooks only), and such hooks outside the graph, where
+    they read their dict when reached, as the engine does."""
     # Nodes the call does not need count too: the engine calls their tensor pre-hooks
     # (before taking autograd.grad's captures there).
-    steps = set(plan.steps_with_new_hooks()) - entry.opaque
-    # A callable added to a hook's dict has a handle.
-    added = (
-        handles
-        and entry.replay.hooks_in_graph
-        and any(
-            fn not in before
-            for fns, before in zip(hook_arguments(plan.hook_dicts(), True), hooks)
-            for fn in fns
+    steps = set(plan.steps_with_new_hooks()) - entry.opaque if handles or outside else set()
+    added = removed = False
+    if in_graph and entry.replay.hooks_in_graph and hooks:
+        now = hook_arguments(dicts, True)
+        # A callable added to a hook's dict has a handle; one only removed shortens it.
+        added = handles and any(fn not in before for fns, before in zip(now, hooks) for fn in fns)
+        removed = any(
+            len(fns) < len(before) or (handles and any(fn not in fns for fn in before))
+            for fns, before in zip(now, hooks)
         )
-    )
-    if not steps and not added:
+    if not steps and not added and not removed:
         return
     order = plan.order()
-    where = (
-        f"on nodes of its graph ({', '.join(f'{order[s]} (step {s})' for s in sorted(steps))})"
-        if steps
-        else "(callables added to hooks traced into the compiled graph)"
-    )
+    changes = []
+    if steps:
+        nodes = ", ".join(f"{order[s]} (step {s})" for s in sorted(steps))
+        changes.append(f"hooks registered on nodes of its graph ({nodes})")
+    if added:
+        changes.append("callables added to hooks traced into the compiled graph")
+    if removed:
+        changes.append("callables removed from hooks traced into the compiled graph")
     log.warning(
-        "replaygrad: hooks were registered during a compiled backward %s, which the compiled "
-        "replay does not call where their node had not run yet; later calls with this graph "
-        "call them as in eager (compiler=None calls them in this call too)",
-        where,
+        "replaygrad: hooks changed during a compiled backward (%s). The compiled replay called "
+        "the hooks the graph had when the call was planned (not new ones whose node had not "
+        "run yet, and removed ones all the same); later calls with this graph call them as "
+        "in eager (compiler=None does in this call too)",
+        "; ".join(changes),
     )
     if steps:
         cache.run_as_themselves(
             entry, plan, config, steps, "hooks were registered on their nodes during a backward"
         )
-    if added:
+    if added or removed:
         cache.move_hooks_outside(
-            entry, plan, config, "callables were added to its hooks during a backward"
+            entry,
+            plan,
+            config,
+            "callables were added to or removed from its hooks during a backward",
         )
 
 
@@ -580,10 +595,12 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
     if entry.failed:
         _leave_to_engine(f"compiling the replay of plan {plan.key} failed before")
         return None
-    hooks = hook_arguments(plan.hook_dicts(), entry.replay.hooks_in_graph)
+    dicts = plan.hook_dicts()
+    hooks = hook_arguments(dicts, entry.replay.hooks_in_graph)
     if entry.replay.hooks_in_graph and reads_current_node(hooks):
         cache.move_hooks_outside(entry, plan, config, _ASKS_NODE)
-        hooks = hook_arguments(plan.hook_dicts(), in_graph=False)
+        hooks = hook_arguments(dicts, in_graph=False)
+    in_graph = entry.replay.hooks_in_graph
     graphs = _graphs_compiled()
     deferred: list[torch.Tensor | None] = []
     run = running(plan, deferred)
@@ -657,9 +674,16 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
     # Hooks registered during the call have handles; `retain_grad` (a retains_grad hook) has
     # none, and only code that ran outside the graph can call it (Dynamo breaks the graph
     # there).
+    # A callable only removed from a traced hook's dict shortens it.
     new_handles = RemovableHandle.next_id != handles
-    if config.compiler is not None and (new_handles or not run.restartable):
-        _hooks_registered_during(entry, plan, config, hooks, new_handles)
+    if config.compiler is not None and (
+        new_handles
+        or not run.restartable
+        or (in_graph and any(map(operator.lt, map(len, dicts), map(len, hooks))))
+    ):
+        _hooks_changed_during(
+            entry, plan, config, in_graph, dicts, hooks, new_handles, not run.restartable
+        )
     if entry.replay.hooks_in_graph:
         if hooks and entry.calls > 1 and _graphs_compiled() > graphs:
             cache.move_hooks_outside(

@@ -1324,7 +1324,7 @@ def _region_source(
             # Not needed: popped only to run its tensor pre-hooks and take its captures.
             if s in opaque:
                 # Its node got tensor pre-hooks during an earlier backward (see
-                # _engine._hooks_registered_during): called outside the graph.
+                # _engine._hooks_changed_during): called outside the graph.
                 body.append(f"i = late_tensor_pre_hooks(deferred, {k}, i)")
             elif where == "_outside":
                 body.append(f"i = new_tensor_pre_hooks(deferred, {k}, i)")
