@@ -902,6 +902,29 @@ def test_hook_removed_during_a_compiled_backward_by_an_earlier_hook(caplog):
 
 
 @pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_hook_that_removes_itself_is_called_once_in_every_call(compiler):
+    # A one-shot hook: the compiled replay calls it (as eager does), notices the removal
+    # after the first call and runs the hooks outside the graph from then on.
+    def run(backward):
+        torch.manual_seed(0)
+        log = []
+        x = torch.randn(3, requires_grad=True)
+        h = (x * 2).exp()
+
+        def once(g):
+            log.append(("once", summary(g)))
+            handle.remove()
+            return g * 5
+
+        handle = h.register_hook(once)
+        backward(h.sum())
+        return log, grads_of([x])
+
+    for _ in range(3):
+        compare(run, compiler)
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
 def test_hook_removed_by_another_callable_of_the_same_dict_still_runs(compiler):
     # The engine takes the dict's values when it starts calling them (test_autograd's
     # test_grad_fn_prehooks_remove_hooks): removing a later callable of the same dict does

@@ -542,9 +542,10 @@ def _hooks_changed_during(
         changes.append("callables removed from hooks traced into the compiled graph")
     log.warning(
         "replaygrad: hooks changed during a compiled backward (%s). The compiled replay called "
-        "the hooks the graph had when the call was planned (not new ones whose node had not "
-        "run yet, and removed ones all the same); later calls with this graph call them as "
-        "in eager (compiler=None does in this call too)",
+        "the hooks the graph had when the call was planned: not new ones whose node had not "
+        "run yet, and removed ones all the same (eager does not call one removed before its "
+        "hook was reached; one that removes itself it does); later calls with this graph "
+        "call them as in eager (compiler=None does in this call too)",
         "; ".join(changes),
     )
     if steps:
