@@ -504,10 +504,12 @@ def _hooks_changed_during(
     hooks: list,
     handles: bool,
     outside: bool,
+    shrunk: bool,
 ) -> None:
     """After a compiled call during which hooks may have changed: ``handles``, some got a
     ``RemovableHandle`` (every hook's handle is one, numbered in order); ``outside``, code
-    ran outside the graph, which may have called ``retain_grad`` (no handle). A traced step
+    ran outside the graph, which may have called ``retain_grad`` (no handle); ``shrunk``, a
+    traced hook's dict has fewer callables than the call took. A traced step
     calls the hooks its node had when the call was planned, and a Python hook traced into
     the graph (``in_graph``) the callables its dict (of ``dicts``) had then (``hooks``), so a
     hook registered during the backward was not called if its node had not run yet, and a
@@ -520,15 +522,13 @@ def _hooks_changed_during(
     # Nodes the call does not need count too: the engine calls their tensor pre-hooks
     # (before taking autograd.grad's captures there).
     steps = set(plan.steps_with_new_hooks()) - entry.opaque if handles or outside else set()
-    added = removed = False
-    if in_graph and entry.replay.hooks_in_graph and hooks:
+    added = False
+    removed = shrunk and entry.replay.hooks_in_graph
+    if handles and in_graph and entry.replay.hooks_in_graph and hooks:
+        # Callables added have handles; with one added, one removed need not shorten a dict.
         now = hook_arguments(dicts, True)
-        # A callable added to a hook's dict has a handle; one only removed shortens it.
-        added = handles and any(fn not in before for fns, before in zip(now, hooks) for fn in fns)
-        removed = any(
-            len(fns) < len(before) or (handles and any(fn not in fns for fn in before))
-            for fns, before in zip(now, hooks)
-        )
+        added = any(fn not in before for fns, before in zip(now, hooks) for fn in fns)
+        removed = removed or any(fn not in fns for fns, before in zip(now, hooks) for fn in before)
     if not steps and not added and not removed:
         return
     order = plan.order()
@@ -675,15 +675,16 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
     # Hooks registered during the call have handles; `retain_grad` (a retains_grad hook) has
     # none, and only code that ran outside the graph can call it (Dynamo breaks the graph
     # there).
-    # A callable only removed from a traced hook's dict shortens it.
     new_handles = RemovableHandle.next_id != handles
-    if config.compiler is not None and (
-        new_handles
-        or not run.restartable
-        or (in_graph and any(map(operator.lt, map(len, dicts), map(len, hooks))))
-    ):
+    # A callable only removed from a traced hook's dict (no handle) shortens it.
+    shrunk = (
+        config.compiler is not None
+        and in_graph
+        and any(map(operator.lt, map(len, dicts), map(len, hooks)))
+    )
+    if config.compiler is not None and (new_handles or not run.restartable or shrunk):
         _hooks_changed_during(
-            entry, plan, config, in_graph, dicts, hooks, new_handles, not run.restartable
+            entry, plan, config, in_graph, dicts, hooks, new_handles, not run.restartable, shrunk
         )
     if entry.replay.hooks_in_graph:
         if hooks and entry.calls > 1 and _graphs_compiled() > graphs:
