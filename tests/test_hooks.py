@@ -788,6 +788,21 @@ def test_hook_added_during_backward_to_a_leaf_whose_hooks_were_removed(compiler)
     compare(run, compiler)
 
 
+def _warns_once_then_matches(run, caplog, *messages: str):
+    """Runs ``run`` compiled with aot_eager: the first call logs a warning naming each of
+    ``messages`` (hooks changed during it); two more calls match eager without one. Returns
+    what the first call returned."""
+    with caplog.at_level(logging.WARNING, logger="replaygrad"):
+        first = run(replay_backward("aot_eager"))
+    for message in messages:
+        assert message in caplog.text
+    caplog.clear()
+    for _ in range(2):
+        compare(run, "aot_eager")
+    assert "during a compiled backward" not in caplog.text
+    return first
+
+
 def test_callable_added_during_a_compiled_backward_to_a_traced_hook(caplog):
     # The leaf's hook is traced into the compiled graph with the callables its dict had
     # when the call was planned: one added during the backward is missed on that call,
@@ -806,13 +821,7 @@ def test_callable_added_during_a_compiled_backward_to_a_traced_hook(caplog):
         backward(h.sum())
         return log, grads_of([w])
 
-    with caplog.at_level(logging.WARNING, logger="replaygrad"):
-        run(replay_backward("aot_eager"))
-    assert "callables added to hooks traced into the compiled graph" in caplog.text
-    caplog.clear()
-    for _ in range(2):
-        compare(run, "aot_eager")
-    assert "during a compiled backward" not in caplog.text
+    _warns_once_then_matches(run, caplog, "callables added to hooks traced into the compiled graph")
 
 
 @pytest.mark.parametrize("compiler", FAST_COMPILERS)
@@ -834,14 +843,9 @@ def test_hook_added_during_a_compiled_backward_to_a_traced_node(change, caplog):
     # misses the new one and says so, and later calls run that node as itself, which calls
     # it as in eager.
     run = _changed_during_backward(change)
-    with caplog.at_level(logging.WARNING, logger="replaygrad"):
-        run(replay_backward("aot_eager"))
-    assert "hooks registered on nodes of its graph" in caplog.text
-    assert "MulBackward0 (step 2)" in caplog.text
-    caplog.clear()
-    for _ in range(2):
-        compare(run, "aot_eager")
-    assert "during a compiled backward" not in caplog.text
+    _warns_once_then_matches(
+        run, caplog, "hooks registered on nodes of its graph", "MulBackward0 (step 2)"
+    )
 
 
 @pytest.mark.parametrize(
@@ -891,14 +895,10 @@ def test_hook_removed_during_a_compiled_backward_by_an_earlier_hook(caplog):
         backward(out.sum())
         return log, grads_of([x])
 
-    with caplog.at_level(logging.WARNING, logger="replaygrad"):
-        first = run(replay_backward("aot_eager"))
+    first = _warns_once_then_matches(
+        run, caplog, "callables removed from hooks traced into the compiled graph"
+    )
     assert first[0][0] == ("removed",), "the first call calls the removed callable"
-    assert "callables removed from hooks traced into the compiled graph" in caplog.text
-    caplog.clear()
-    for _ in range(2):
-        compare(run, "aot_eager")
-    assert "during a compiled backward" not in caplog.text
 
 
 @pytest.mark.parametrize("compiler", FAST_COMPILERS)
