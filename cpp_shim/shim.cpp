@@ -1435,7 +1435,8 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
   compiler.sv_to_hooks.clear();
   compiler.hooks.clear();
   compiler.packed_inputs.clear();
-  size_t sizes_before = compiler.all_size_inputs.size();
+  // The node's sizes are copied to c->sizes below: torch's list need not keep every node's.
+  compiler.all_size_inputs.clear();
   size_t ivalues_before = compiler.lifted_ivalue_args.args.size();
 
   auto node_ptr = node.getptr();
@@ -1498,8 +1499,8 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
   }
   auto& ivalues = compiler.lifted_ivalue_args.args;
   ivalues.erase(ivalues.begin() + static_cast<std::ptrdiff_t>(ivalues_before), ivalues.end());
-  for (size_t i = sizes_before; i < compiler.all_size_inputs.size(); ++i) {
-    c->sizes.push_back(compiler.all_size_inputs[i].value);
+  for (const auto& size : compiler.all_size_inputs) {
+    c->sizes.push_back(size.value);
   }
 
   auto& plain = c->order;
@@ -1551,6 +1552,16 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
   unpacked.clear();
   compiler.sv_to_hooks.clear();
   RG_CATCH
+}
+
+void rg_collector_end_visits(rg_collector* c) {
+  c->first_slot = SlotTable();
+  c->sources = {};
+  c->first_wrapped = {};
+  c->order = {};
+  c->hooked = {};
+  c->key = {};
+  c->sizes = {};
 }
 
 size_t rg_collector_len(const rg_collector* c) {

@@ -138,6 +138,7 @@ extern "C" {
         n_hooked: *mut usize,
         group: *mut usize,
     ) -> c_int;
+    fn rg_collector_end_visits(c: *mut RawCollector);
     fn rg_collector_len(c: *const RawCollector) -> usize;
     fn rg_collector_saved_variables(
         c: *const RawCollector,
@@ -954,7 +955,13 @@ impl Collector {
         })
     }
 
-    /// All slots visited so far: each SavedVariable's address and its unpacked value.
+    /// Frees what only [`Collector::visit`] needs (see `rg_collector_end_visits`); the slots
+    /// stay. Call it after the last visit: a later one would not know the tensors seen before.
+    pub fn end_visits(&mut self) {
+        // SAFETY: the collector is alive; no visit's buffers are borrowed (`&mut self`).
+        unsafe { rg_collector_end_visits(self.0.as_ptr()) };
+    }
+
     /// Slots collected so far.
     pub fn len(&self) -> usize {
         // SAFETY: the collector is alive.

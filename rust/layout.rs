@@ -347,6 +347,7 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
             group,
         });
     }
+    collector.end_visits();
     let svs = collector.saved_variables()?;
     debug_assert_eq!(svs.len(), num_saved as usize);
     Ok(Layout {
