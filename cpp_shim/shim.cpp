@@ -36,6 +36,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <typeinfo>
 #include <unordered_map>
 #include <unordered_set>
@@ -1555,13 +1556,17 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
 }
 
 void rg_collector_end_visits(rg_collector* c) {
+  // Swapped with empty ones, so that their memory is freed (clear() keeps it).
+  auto release = [](auto& container) {
+    std::remove_reference_t<decltype(container)>().swap(container);
+  };
   c->first_slot = SlotTable();
-  c->sources = {};
-  c->first_wrapped = {};
-  c->order = {};
-  c->hooked = {};
-  c->key = {};
-  c->sizes = {};
+  release(c->sources);
+  release(c->first_wrapped);
+  release(c->order);
+  release(c->hooked);
+  release(c->key);
+  release(c->sizes);
 }
 
 size_t rg_collector_len(const rg_collector* c) {
