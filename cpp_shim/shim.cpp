@@ -1940,10 +1940,12 @@ rg_status rg_validate_root_grads(rg_node* const* nodes, const uint32_t* input_nr
   RG_CATCH
 }
 
-rg_status rg_node_release_variables(rg_node* n) {
+rg_status rg_nodes_release_variables(rg_node* const* nodes, size_t n) {
   RG_TRY
   GraphLock lock;
-  as_node(n)->release_variables();
+  for (size_t i = 0; i < n; ++i) {
+    as_node(nodes[i])->release_variables();
+  }
   RG_CATCH
 }
 

@@ -236,7 +236,9 @@ rg_status rg_node_accumulate(rg_node* node, rg_tensor* grad, const rg_planned_ho
 // grad), as Engine::execute does before running; writes the checked/cast grads to out.
 rg_status rg_validate_root_grads(rg_node* const* nodes, const uint32_t* input_nrs, size_t n,
                                  const rg_tensor* const* grads, rg_tensor** out);
-rg_status rg_node_release_variables(rg_node* node);
+// Node::release_variables of each of `n` nodes, in order, as the engine calls it after running
+// each one, under one hold of the graph lock.
+rg_status rg_nodes_release_variables(rg_node* const* nodes, size_t n);
 // Takes the lock that planning and swapping values into live nodes hold (recursive; waits
 // without the GIL), so that a thread plans no node another thread has swapped values into.
 rg_status rg_graphs_lock(void);

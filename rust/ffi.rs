@@ -207,7 +207,7 @@ extern "C" {
         grads: *const *const C_tensor,
         out: *mut *mut C_tensor,
     ) -> c_int;
-    fn rg_node_release_variables(node: *mut RawNode) -> c_int;
+    fn rg_nodes_release_variables(nodes: *const *mut RawNode, n: usize) -> c_int;
     fn rg_graphs_lock() -> c_int;
     fn rg_graphs_unlock();
 
@@ -573,11 +573,6 @@ impl NodeRef {
         check(unsafe { rg_node_retains_grad_outputs(self.as_ptr(), out.as_mut_ptr(), out.len()) })?;
         Ok(out)
     }
-
-    pub fn release_variables(&self) -> Result<(), ShimError> {
-        // SAFETY: the node is alive while self is.
-        check(unsafe { rg_node_release_variables(self.as_ptr()) })
-    }
 }
 
 impl Clone for NodeRef {
@@ -740,6 +735,14 @@ pub fn apply_node_lifted(
 pub fn mark_type_not_liftable(node: &NodeRef) -> Result<(), ShimError> {
     // SAFETY: the node is alive.
     check(unsafe { rg_node_type_not_liftable(node.as_ptr()) })
+}
+
+/// Releases the saved variables of `nodes`, in order, as the engine does after running each
+/// one, under one hold of the graph lock.
+pub fn release_variables<'a>(nodes: impl Iterator<Item = &'a NodeRef>) -> Result<(), ShimError> {
+    let ptrs: Vec<*mut RawNode> = nodes.map(NodeRef::as_ptr).collect();
+    // SAFETY: `ptrs` holds `ptrs.len()` live nodes, kept alive by the borrowed handles.
+    check(unsafe { rg_nodes_release_variables(ptrs.as_ptr(), ptrs.len()) })
 }
 
 /// Runs an AccumulateGrad node on `grad`, handing it over so that the node can steal it, and

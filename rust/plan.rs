@@ -396,11 +396,11 @@ impl Plan {
     /// engine does without retain_graph (a step popped only to capture keeps them).
     pub fn release_variables(&self, steps: std::ops::Range<usize>) -> Result<(), ShimError> {
         let ran = self.schedule.steps.iter().zip(&self.schedule.needed);
-        for (&n, &needed) in ran.skip(steps.start).take(steps.len()) {
-            if needed {
-                self.snapshot.handles[n as usize].release_variables()?;
-            }
-        }
-        Ok(())
+        ffi::release_variables(
+            ran.skip(steps.start)
+                .take(steps.len())
+                .filter(|&(_, &needed)| needed)
+                .map(|(&n, _)| &self.snapshot.handles[n as usize]),
+        )
     }
 }
