@@ -160,8 +160,9 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* node, int* supported, siz
                              const uint8_t** key, size_t* key_len, const int64_t** sizes,
                              size_t* n_sizes, int* lifted, size_t* n_hooked,
                              uintptr_t* group);
-// Frees what only visiting needs: the tables that give a tensor saved twice one slot, and
-// the unpacked tensors they keep alive. Call it after the last rg_collector_visit.
+// Frees what only visiting needs: the tables that give a tensor saved twice one slot, the
+// unpacked tensors they keep alive, and the buffers of the last visit's key and sizes (no
+// longer valid). Call it after the last rg_collector_visit.
 void rg_collector_end_visits(rg_collector* c);
 size_t rg_collector_len(const rg_collector* c);
 // The SavedVariables' addresses (borrowed), slot by slot: writes n = rg_collector_len(c).
