@@ -179,3 +179,50 @@ def test_a_function_run_as_itself_is_handed_its_gradients(compiler, post_hook):
             ]
     # With a post hook the engine keeps the gradients for it, as the replay does.
     assert alive == [post_hook] * 3
+
+
+def _region_functions() -> list:
+    """The replay regions' generated functions alive now."""
+    gc.collect()
+    return [
+        o
+        for o in gc.get_objects()
+        if type(o).__name__ == "function"
+        and o.__code__.co_filename.startswith("<replaygrad region")
+    ]
+
+
+def test_an_evicted_replay_leaves_nothing_compiled_behind():
+    # Dynamo keeps what it compiled for a function on its code object, and torch 2.13 keeps
+    # every code object it guarded on (a functools.cache): the regions of a replay the cache
+    # evicts must be freed, and their compiled code dropped with them.
+    cache_entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
+    w = torch.randn(4, requires_grad=True)
+
+    def backward(n: int) -> None:
+        y = w
+        for _ in range(n):
+            y = y.sin()
+        replaygrad.backward(y.sum(), compiler="aot_eager")
+
+    replaygrad.reset()
+    replaygrad.set_cache_size(1)
+    try:
+        earlier = _region_functions()  # of other tests, kept alive by their objects
+
+        def new_regions() -> list:
+            return [f for f in _region_functions() if all(f is not e for e in earlier)]
+
+        backward(3)
+        [fn] = new_regions()
+        code, region = fn.__code__, weakref.ref(fn)
+        del fn
+        assert cache_entries(code)
+        backward(4)  # evicts the first replay
+        gc.collect()
+        assert region() is None
+        assert cache_entries(code) == []
+        assert len(new_regions()) == 1
+    finally:
+        replaygrad.set_cache_size(256)
+        replaygrad.reset()

@@ -226,15 +226,37 @@ class Entry:
 
 class _Compiled:
     """A compiled region, shared by every cached replay that has a region with its key
-    (held by their drivers; dropped with the last of them)."""
+    (held by their drivers; dropped with the last of them). ``source`` is the region's
+    generated function, which ``fn`` is compiled from: when the region is dropped, what
+    Dynamo compiled for it is dropped too (see :func:`_forget_compiled`)."""
 
     __slots__ = ("__weakref__", "fn")
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], source: Callable[..., Any]) -> None:
         self.fn = fn
+        code = getattr(source, "__code__", None)
+        if code is not None:
+            weakref.finalize(self, _forget_compiled, code, source.__globals__).atexit = False
 
     def __call__(self, *args: Any) -> Any:
         return self.fn(*args)
+
+
+def _forget_compiled(code: Any, scope: dict[str, Any]) -> None:
+    """Drops what Dynamo compiled for a dropped region's ``code``, and for the functions it
+    made to resume that code after graph breaks (``__resume_at_*``, put in the region's
+    ``scope``). Dynamo keeps its compiled code, guards and traced graphs on the code object,
+    and torch 2.13 keeps every code object it guarded on for the process's lifetime (a
+    ``functools.cache`` in ``torch._dynamo.guards``), so without this each region compiled
+    and evicted would keep ~1 MB."""
+    codes = [code]
+    codes += [
+        value.__code__
+        for name, value in list(scope.items())
+        if name.startswith("__resume_at_") and hasattr(value, "__code__")
+    ]
+    for c in codes:
+        torch._dynamo.reset_code(c)
 
 
 class CacheInfo(NamedTuple):
@@ -451,7 +473,7 @@ class ReplayCache:
             with self._lock:
                 compiled = self._regions.get(key)
             if compiled is None:
-                compiled = _Compiled(_compile(fn, config, region.in_place_on_views, captures))
+                compiled = _Compiled(_compile(fn, config, region.in_place_on_views, captures), fn)
                 with self._lock:
                     self._regions[key] = compiled
             return compiled

@@ -1460,15 +1460,19 @@ def build(
             "buffer_sum": _core.buffer_sum,
             "new_tensor_pre_hooks": new_tensor_pre_hooks,
         }
+    # The generated functions are taken out of the scopes they were defined in (their
+    # globals), so that no cycle holds them: a replay and its regions are freed as soon
+    # as the cache drops them (see _compile._Compiled).
     for r, g in enumerate(found):
         scope: dict[str, Any] = dict(runtime)
         exec(compile(g.source, f"<replaygrad region {g.key[:12]}>", "exec"), scope)
-        namespace[f"R{r}"] = compile_region(g, scope["region"]) if g.compiled else scope["region"]
+        region = scope.pop("region")
+        namespace[f"R{r}"] = compile_region(g, region) if g.compiled else region
     driver = _driver_source(steps, found, plan.num_captures, hooks_in_graph)
     exec(compile(driver, f"<replaygrad replay {plan.key[:12]}>", "exec"), namespace)
     unpacks = [step for region in found for step in region.unpacks]
     return Replay(
-        namespace["replay"],
+        namespace.pop("replay"),
         found,
         hooks_in_graph,
         _replay_source(found, driver),
