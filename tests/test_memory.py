@@ -195,12 +195,20 @@ def _region_functions() -> list:
 def test_an_evicted_replay_leaves_nothing_compiled_behind():
     # Dynamo keeps what it compiled for a function on its code object, and torch 2.13 keeps
     # every code object it guarded on (a functools.cache): the regions of a replay the cache
-    # evicts must be freed, and their compiled code dropped with them.
+    # evicts must be freed, and their compiled code dropped with them, also that of the
+    # functions Dynamo made to resume a region after a graph break (here, in a hook). (Dynamo
+    # keeps the code object Dynamo ran for such a region alive, and with it the resume
+    # function and the region's first graph: torch's, and only for graph breaks.)
     cache_entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
     w = torch.randn(4, requires_grad=True)
 
+    def breaking_hook(grad):
+        torch._dynamo.graph_break()
+        return grad * 2
+
     def backward(n: int) -> None:
-        y = w
+        y = w.cos()
+        y.register_hook(breaking_hook)
         for _ in range(n):
             y = y.sin()
         replaygrad.backward(y.sum(), compiler="aot_eager")
@@ -214,15 +222,17 @@ def test_an_evicted_replay_leaves_nothing_compiled_behind():
             return [f for f in _region_functions() if all(f is not e for e in earlier)]
 
         backward(3)
-        [fn] = new_regions()
-        code, region = fn.__code__, weakref.ref(fn)
-        del fn
-        assert cache_entries(code)
+        regions = new_regions()
+        codes = [f.__code__ for f in regions]
+        assert any(c.co_name.startswith("torch_dynamo_resume") for c in codes)
+        assert all(cache_entries(c) for c in codes)
+        [region] = [weakref.ref(f) for f in regions if f.__code__.co_name == "region"]
+        del regions
         backward(4)  # evicts the first replay
         gc.collect()
         assert region() is None
-        assert cache_entries(code) == []
-        assert len(new_regions()) == 1
+        assert [cache_entries(c) for c in codes] == [[]] * len(codes)
+        assert sum(f.__code__.co_name == "region" for f in new_regions()) == 1
     finally:
         replaygrad.set_cache_size(256)
         replaygrad.reset()
