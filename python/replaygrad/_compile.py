@@ -6,6 +6,7 @@ import hashlib
 import inspect
 import os
 import threading
+import types
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -232,17 +233,15 @@ class _Compiled:
 
     __slots__ = ("__weakref__", "fn")
 
-    def __init__(self, fn: Callable[..., Any], source: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], source: types.FunctionType) -> None:
         self.fn = fn
-        code = getattr(source, "__code__", None)
-        if code is not None:
-            weakref.finalize(self, _forget_compiled, code, source.__globals__).atexit = False
+        weakref.finalize(self, _forget_compiled, source.__code__, source.__globals__).atexit = False
 
     def __call__(self, *args: Any) -> Any:
         return self.fn(*args)
 
 
-def _forget_compiled(code: Any, scope: dict[str, Any]) -> None:
+def _forget_compiled(code: types.CodeType, scope: dict[str, Any]) -> None:
     """Drops what Dynamo compiled for a dropped region's ``code``, and for the functions it
     made to resume that code after graph breaks (``__resume_at_*``, put in the region's
     ``scope``). Dynamo keeps its compiled code, guards and traced graphs on the code object,
@@ -467,7 +466,7 @@ class ReplayCache:
         :func:`_capturing`; ``breakless``: see :func:`replaygrad._replay.regions` (always
         under ``fullgraph=True``)."""
 
-        def compile_region(region: Region, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def compile_region(region: Region, fn: types.FunctionType) -> Callable[..., Any]:
             captures = any(region.start <= s < region.end for s in capture)
             key = (config, region.key, captures)
             with self._lock:

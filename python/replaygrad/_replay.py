@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from types import SimpleNamespace
+from types import FunctionType, SimpleNamespace
 from typing import Any, NoReturn
 
 import torch
@@ -1423,7 +1423,7 @@ def _driver_source(
 
 def build(
     plan: _core.Plan,
-    compile_region: Callable[[Region, Callable[..., Any]], Callable[..., Any]],
+    compile_region: Callable[[Region, FunctionType], Callable[..., Any]],
     hooks_in_graph: bool = True,
     opaque: frozenset[int] = frozenset(),
     region_size: int | None = None,
