@@ -196,9 +196,9 @@ def test_an_evicted_replay_leaves_nothing_compiled_behind():
     # Dynamo keeps what it compiled for a function on its code object, and torch 2.13 keeps
     # every code object it guarded on (a functools.cache): the regions of a replay the cache
     # evicts must be freed, and their compiled code dropped with them, also that of the
-    # functions Dynamo made to resume a region after a graph break (here, in a hook). (Dynamo
-    # keeps the code object Dynamo ran for such a region alive, and with it the resume
-    # function and the region's first graph: torch's, and only for graph breaks.)
+    # functions Dynamo made to resume a region after a graph break (here, in a hook). (torch
+    # keeps the code it ran for such a region alive, and with it the resume function and
+    # the region's first graph; only where a region has a graph break.)
     cache_entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
     w = torch.randn(4, requires_grad=True)
 
