@@ -213,6 +213,7 @@ def test_an_evicted_replay_leaves_nothing_compiled_behind():
             y = y.sin()
         replaygrad.backward(y.sum(), compiler="aot_eager")
 
+    maxsize = replaygrad.cache_info().maxsize
     replaygrad.reset()
     replaygrad.set_cache_size(1)
     try:
@@ -234,5 +235,5 @@ def test_an_evicted_replay_leaves_nothing_compiled_behind():
         assert [cache_entries(c) for c in codes] == [[]] * len(codes)
         assert sum(f.__code__.co_name == "region" for f in new_regions()) == 1
     finally:
-        replaygrad.set_cache_size(256)
+        replaygrad.set_cache_size(maxsize)
         replaygrad.reset()
