@@ -1305,11 +1305,6 @@ EXCLUDED: dict[str, str] = {}
 
 #: Ops also left out when the replay is compiled.
 COMPILED_EXCLUDED: dict[str, str] = {
-    "hook_edits_hooks": (
-        "a traced step of a compiled replay calls the hooks its node had when the call was "
-        "planned (later calls run it as itself): "
-        "test_hooks.py::test_hook_added_during_a_compiled_backward_to_a_traced_node"
-    ),
     "fn_fail": (
         "an error raised by a traced Function's backward reaches the caller as Dynamo's "
         "TorchRuntimeError: test_fuzz_regressions.py::"

@@ -223,6 +223,9 @@ class Entry:
     #: Steps whose regions are compiled capturing ops whose output sizes depend on data
     #: (see :func:`_capturing`).
     capture: frozenset[int] = frozenset()
+    #: A call has run with it (or, for a first call with hooks that may edit hooks,
+    #: uncompiled for it: see ``_replay``).
+    vetted: bool = False
 
 
 class _Compiled:
@@ -337,6 +340,12 @@ class ReplayCache:
                 self._entries.popitem(last=False)
         cache_log.debug("miss %s (%d steps): compiled a new replay", plan.key, plan.num_steps)
         return entry
+
+    def uncompiled(self, plan: _core.Plan, config: Config) -> Entry:
+        """An uncompiled replay of ``plan`` for one call, not cached (``config``: the
+        replaygrad config it stands in for)."""
+        replay = self._build(plan, Config(None, fallback=config.fallback), False, frozenset(), True)
+        return Entry(replay=replay, step_digests=b"", order=[])
 
     def move_hooks_outside(
         self, entry: Entry, plan: _core.Plan, config: Config, reason: str

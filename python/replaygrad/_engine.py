@@ -35,9 +35,11 @@ from ._logging import Lazy, log, plan_log
 from ._replay import (
     current_autograd_node,
     hook_arguments,
+    may_edit_hooks,
     node_error,
     non_strided_steps,
     reads_current_node,
+    reads_grad,
     replaying,
     running,
     traced_step,
@@ -399,6 +401,12 @@ _ASKS_NODE = (
     "outside the graph"
 )
 
+#: Why a replay's hooks move out of the graph when one may read or write a `.grad`.
+_READS_GRAD = (
+    "a Python hook may read or write a tensor's .grad, which has the values of the steps "
+    "before it (accumulations, retain_grad) only outside the graph"
+)
+
 
 def _call(entry: Entry, plan: _core.Plan, config: Config, args: tuple, run: running) -> list:
     """Calls the entry's replay with ``args`` (see :func:`_call_until_done`), outside any DDP
@@ -505,20 +513,21 @@ def _hooks_changed_during(
     handles: bool,
     outside: bool,
     shrunk: bool,
-) -> None:
-    """After a compiled call during which hooks may have changed: ``handles``, some got a
+) -> list[str]:
+    """After a call during which hooks may have changed: ``handles``, some got a
     ``RemovableHandle`` (every hook's handle is one, numbered in order); ``outside``, code
     ran outside the graph, which may have called ``retain_grad`` (no handle); ``shrunk``, a
-    traced hook's dict has fewer callables than the call took. A traced step
-    calls the hooks its node had when the call was planned, and a Python hook traced into
-    the graph (``in_graph``) the callables its dict (of ``dicts``) had then (``hooks``), so a
-    hook registered during the backward was not called if its node had not run yet, and a
-    callable removed from its dict (by a hook that ran before it, traced or not) was called
-    all the same; nor does a step the call does not need call the tensor pre-hooks its node
-    got (the engine does, before taking ``autograd.grad``'s captures there). Later calls run
-    such steps as themselves, where a node calls the hooks it got since the call was planned
-    (a step not needed, its tensor pre-hooks only), and such hooks outside the graph, where
-    they read their dict when reached, as the engine does."""
+    traced hook's dict has fewer callables than the call took. A traced step of ``entry``'s
+    compiled replay calls the hooks its node had when the call was planned, and a Python
+    hook traced into the graph (``in_graph``) the callables its dict (of ``dicts``) had then
+    (``hooks``), so a hook registered during the backward is not called if its node had not
+    run yet, and a callable removed from its dict (by a hook that ran before it, traced or
+    not) is called all the same; nor does a step the call does not need call the tensor
+    pre-hooks its node got (the engine does, before taking ``autograd.grad``'s captures
+    there). Such steps are made to run as themselves, where a node calls the hooks it got
+    since the call was planned (a step not needed, its tensor pre-hooks only), and such
+    hooks outside the graph, where they read their dict when reached, as the engine does.
+    Returns the changes found, described (none: the replay follows what changed)."""
     # Nodes the call does not need count too: the engine calls their tensor pre-hooks
     # (before taking autograd.grad's captures there).
     steps = set(plan.steps_with_new_hooks()) - entry.opaque if handles or outside else set()
@@ -529,29 +538,18 @@ def _hooks_changed_during(
         now = hook_arguments(dicts, True)
         added = any(fn not in before for fns, before in zip(now, hooks) for fn in fns)
         removed = removed or any(fn not in fns for fns, before in zip(now, hooks) for fn in before)
-    if not steps and not added and not removed:
-        return
-    order = plan.order()
     changes = []
     if steps:
+        order = plan.order()
         nodes = ", ".join(f"{order[s]} (step {s})" for s in sorted(steps))
         changes.append(f"hooks registered on nodes of its graph ({nodes})")
+        cache.run_as_themselves(
+            entry, plan, config, steps, "hooks were registered on their nodes during a backward"
+        )
     if added:
         changes.append("callables added to hooks traced into the compiled graph")
     if removed:
         changes.append("callables removed from hooks traced into the compiled graph")
-    log.warning(
-        "replaygrad: hooks changed during a compiled backward (%s). The compiled replay called "
-        "the hooks the graph had when the call was planned: not new ones whose node had not "
-        "run yet, and removed ones all the same (eager does not call one removed before its "
-        "hook was reached; one that removes itself it does); later calls with this graph "
-        "call them as in eager (compiler=None does in this call too)",
-        "; ".join(changes),
-    )
-    if steps:
-        cache.run_as_themselves(
-            entry, plan, config, steps, "hooks were registered on their nodes during a backward"
-        )
     if added or removed:
         cache.move_hooks_outside(
             entry,
@@ -559,6 +557,7 @@ def _hooks_changed_during(
             config,
             "callables were added to or removed from its hooks during a backward",
         )
+    return changes
 
 
 def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...] | None:
@@ -597,10 +596,24 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
         _leave_to_engine(f"compiling the replay of plan {plan.key} failed before")
         return None
     dicts = plan.hook_dicts()
+    vetting = None
+    if not entry.vetted and config.compiler is not None and dicts:
+        # A traced step calls the hooks its node had when the call was planned: with a hook
+        # that may change hooks, the replay's first call runs uncompiled, as the engine.
+        before = hook_arguments(dicts, True)
+        if may_edit_hooks(before):
+            in_graph = entry.replay.hooks_in_graph
+            vetting = (entry, config, in_graph, before if in_graph else [])
+            entry = cache.uncompiled(plan, config)
+            config = Config(None, fallback=config.fallback)
     hooks = hook_arguments(dicts, entry.replay.hooks_in_graph)
-    if entry.replay.hooks_in_graph and reads_current_node(hooks):
-        cache.move_hooks_outside(entry, plan, config, _ASKS_NODE)
-        hooks = hook_arguments(dicts, in_graph=False)
+    if entry.replay.hooks_in_graph and hooks:
+        reason = (
+            _ASKS_NODE if reads_current_node(hooks) else _READS_GRAD if reads_grad(hooks) else None
+        )
+        if reason is not None:
+            cache.move_hooks_outside(entry, plan, config, reason)
+            hooks = hook_arguments(dicts, in_graph=False)
     in_graph = entry.replay.hooks_in_graph
     graphs = _graphs_compiled()
     deferred: list[torch.Tensor | None] = []
@@ -682,10 +695,32 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
         and in_graph
         and any(map(operator.lt, map(len, dicts), map(len, hooks)))
     )
-    if config.compiler is not None and (new_handles or not run.restartable or shrunk):
+    if vetting is not None:
+        # The first call of a compiled replay whose hooks may edit hooks ran uncompiled, as
+        # the engine would; the compiled replay is rebuilt for what they changed (every
+        # later call then calls them as in eager, as after a compiled call that warns).
+        entry, config, in_graph, hooks = vetting
+        shrunk = in_graph and any(map(operator.lt, map(len, dicts), map(len, hooks)))
+        outside = True  # every hook ran outside any graph
         _hooks_changed_during(
+            entry, plan, config, in_graph, dicts, hooks, new_handles, outside, shrunk
+        )
+    elif config.compiler is not None and (new_handles or not run.restartable or shrunk):
+        changes = _hooks_changed_during(
             entry, plan, config, in_graph, dicts, hooks, new_handles, not run.restartable, shrunk
         )
+        if changes:
+            log.warning(
+                "replaygrad: hooks changed during a compiled backward (%s). The compiled "
+                "replay called the hooks the graph had when the call was planned: not new ones "
+                "whose node had not run yet, and removed ones all the same (eager does not "
+                "call one removed before its hook was reached; one that removes itself it "
+                "does); later calls with this graph call them as in eager (compiler=None does "
+                "in this call too, and so does a first call with a hook whose code names a "
+                "hook's registration or removal)",
+                "; ".join(changes),
+            )
+    entry.vetted = True
     if entry.replay.hooks_in_graph:
         if hooks and entry.calls > 1 and _graphs_compiled() > graphs:
             cache.move_hooks_outside(

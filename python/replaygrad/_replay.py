@@ -20,13 +20,14 @@ import bisect
 import contextlib
 import functools
 import hashlib
+import inspect
 import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from types import FunctionType, SimpleNamespace
+from types import CodeType, FunctionType, SimpleNamespace
 from typing import Any, NoReturn
 
 import torch
@@ -134,20 +135,104 @@ def current_autograd_node() -> Any:
         return node
     if run.current is not None:
         return run.plan.node_object(run.current)
-    if torch._guards.TracingContext.try_get() is None:
-        run.asked_node = True  # run time: later calls run the hooks outside the graph
+    # Code traced into the graph: at run time (a graph break, this being Dynamo-disabled), or
+    # while traced (where Dynamo's rules for torch's functions took this one for torch's,
+    # having seen it in torch._C while replaygrad was installed). Later calls run the hooks
+    # outside the graph.
+    run.asked_node = True
     return None
 
 
 def reads_current_node(hooks: list) -> bool:
-    """Whether a hook of ``hooks`` (traced ones: lists of callables) calls
-    ``torch._C._current_autograd_node()`` itself (by name, in its own code), which only code
+    """Whether a hook of ``hooks`` (traced ones: lists of callables) may call
+    ``torch._C._current_autograd_node()`` (see :func:`_names_reached`), which only code
     outside the graph gets."""
-    return any(
-        "_current_autograd_node" in getattr(getattr(fn, "__code__", None), "co_names", ())
-        for fns in hooks
-        for fn in fns
-    )
+    return _names_reached(hooks, _CURRENT_NODE)
+
+
+_CURRENT_NODE = frozenset({"_current_autograd_node"})
+
+
+#: Names through which a hook can change hooks for later nodes of the backward it runs in.
+_HOOK_EDITS = frozenset(
+    {
+        "register_hook",
+        "register_prehook",
+        "register_post_accumulate_grad_hook",
+        "register_multi_grad_hook",
+        "retain_grad",
+        "remove",
+    }
+)
+
+
+def may_edit_hooks(hooks: list) -> bool:
+    """Whether a Python hook of ``hooks`` (lists of callables) may register or remove hooks
+    (or call ``retain_grad``) while it runs: it names one of the methods that do
+    (``remove``: a handle's; see :func:`_names_reached`). A compiled replay's traced steps
+    call the hooks their nodes had when the call was planned, so a first call with such a
+    hook runs uncompiled (see ``_replay``)."""
+    return _names_reached(hooks, _HOOK_EDITS)
+
+
+def reads_grad(hooks: list) -> bool:
+    """Whether a Python hook of ``hooks`` may read or write a tensor's ``.grad`` (see
+    :func:`_names_reached`). Traced into the graph, it would see ``.grad`` as it was when
+    the graph started (accumulations and ``retain_grad``'s values are applied after it, or
+    at a graph break); outside the graph it sees what the engine would have done by then."""
+    return _names_reached(hooks, _GRAD)
+
+
+_GRAD = frozenset({"grad"})
+
+
+def _names_reached(hooks: list, names: frozenset[str]) -> bool:
+    """Whether the code of a callable of ``hooks`` (lists of callables), or of a function
+    defined in it or reached from it by a global name or a closure variable (two calls
+    deep), names (as an attribute or a global) one of ``names``."""
+    seen: set[int] = set()
+    return any(_names(fn, names, 2, seen) for fns in hooks for fn in fns)
+
+
+def _names(fn: object, wanted: frozenset[str], depth: int, seen: set[int]) -> bool:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)  # a bound method's function
+    if not isinstance(fn, FunctionType):
+        fn = inspect.getattr_static(type(fn), "__call__", None)  # a callable object's method
+        if not isinstance(fn, FunctionType):
+            return False
+    if id(fn) in seen:
+        return False
+    seen.add(id(fn))
+    names = _code_names(fn.__code__)
+    if not wanted.isdisjoint(names):
+        return True
+    if depth == 0:
+        return False
+    callees = [fn.__globals__.get(name) for name in names]
+    callees += [cell.cell_contents for cell in fn.__closure__ or () if _filled(cell)]
+    return any(_names(c, wanted, depth - 1, seen) for c in callees if isinstance(c, FunctionType))
+
+
+@functools.lru_cache(maxsize=4096)
+def _code_names(code: CodeType) -> frozenset[str]:
+    """The names ``code`` and the code defined in it use as attributes or globals."""
+    names: set[str] = set()
+    codes = [code]
+    while codes:
+        c = codes.pop()
+        names.update(c.co_names)
+        codes.extend(k for k in c.co_consts if isinstance(k, CodeType))
+    return frozenset(names)
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 (an empty cell raises)
+    except ValueError:
+        return False
+    return True
 
 
 def at(base: int, hooks_ran: bool = False) -> list:
