@@ -189,42 +189,66 @@ _GRAD = frozenset({"grad"})
 def _names_reached(hooks: list, names: frozenset[str]) -> bool:
     """Whether the code of a callable of ``hooks`` (lists of callables), or of a function
     defined in it or reached from it by a global name or a closure variable (two calls
-    deep), names (as an attribute or a global) one of ``names``."""
-    seen: set[int] = set()
-    return any(_names(fn, names, 2, seen) for fns in hooks for fn in fns)
+    deep; not into torch's own functions), names (as an attribute or a global) one of
+    ``names``."""
+    return any(not names.isdisjoint(_reached(fn, 2)) for fns in hooks for fn in fns)
 
 
-def _names(fn: object, wanted: frozenset[str], depth: int, seen: set[int]) -> bool:
+def _reached(fn: object, depth: int) -> frozenset[str]:
     while isinstance(fn, functools.partial):
         fn = fn.func
     fn = getattr(fn, "__func__", fn)  # a bound method's function
     if not isinstance(fn, FunctionType):
         fn = inspect.getattr_static(type(fn), "__call__", None)  # a callable object's method
         if not isinstance(fn, FunctionType):
-            return False
-    if id(fn) in seen:
-        return False
-    seen.add(id(fn))
-    names = _code_names(fn.__code__)
-    if not wanted.isdisjoint(names):
-        return True
-    if depth == 0:
-        return False
-    callees = [fn.__globals__.get(name) for name in names]
-    callees += [cell.cell_contents for cell in fn.__closure__ or () if _filled(cell)]
-    return any(_names(c, wanted, depth - 1, seen) for c in callees if isinstance(c, FunctionType))
+            return frozenset()
+    names = _code_reached(fn, depth)
+    if depth > 0 and fn.__closure__:
+        cells = [cell.cell_contents for cell in fn.__closure__ if _filled(cell)]
+        names = names.union(*(_reached(c, depth - 1) for c in cells if _followed(c, fn)))
+    return names
 
 
-@functools.lru_cache(maxsize=4096)
-def _code_names(code: CodeType) -> frozenset[str]:
-    """The names ``code`` and the code defined in it use as attributes or globals."""
-    names: set[str] = set()
-    codes = [code]
-    while codes:
-        c = codes.pop()
-        names.update(c.co_names)
-        codes.extend(k for k in c.co_consts if isinstance(k, CodeType))
-    return frozenset(names)
+#: By code object id: the code object (kept alive, so that its id stays its own) and the
+#: names reached from it by depth (see :func:`_code_reached`).
+_CODE_REACHED: dict[int, tuple[CodeType, dict[int, frozenset[str]]]] = {}
+
+
+def _code_reached(fn: FunctionType, depth: int) -> frozenset[str]:
+    """The names ``fn``'s code and the code defined in it use as attributes or globals, and
+    those reached from the functions its globals name, ``depth`` calls deep; kept by code
+    object (a code object's functions share their module's globals)."""
+    code = fn.__code__
+    entry = _CODE_REACHED.get(id(code))
+    if entry is None:
+        if len(_CODE_REACHED) >= 4096:
+            _CODE_REACHED.clear()
+        entry = _CODE_REACHED[id(code)] = (code, {})
+    known = entry[1]
+    names = known.get(depth)
+    if names is None:
+        names = set()
+        codes = [code]
+        while codes:
+            c = codes.pop()
+            names.update(c.co_names)
+            codes.extend(k for k in c.co_consts if isinstance(k, CodeType))
+        names = frozenset(names)
+        if depth > 0:
+            callees = [fn.__globals__.get(name) for name in names]
+            names = names.union(*(_reached(c, depth - 1) for c in callees if _followed(c, fn)))
+        known[depth] = names
+    return names
+
+
+def _followed(callee: object, caller: FunctionType) -> bool:
+    """Whether the look at a hook's code follows a call of ``callee`` from ``caller``: a
+    function, not one of torch's own, nor the caller itself."""
+    return (
+        isinstance(callee, FunctionType)
+        and callee is not caller
+        and not (callee.__module__ or "").startswith("torch")
+    )
 
 
 def _filled(cell: Any) -> bool:
