@@ -329,6 +329,32 @@ def test_retain_grad_called_during_backward_is_applied():
     assert got is not None and torch.equal(got, expected)
 
 
+def test_callable_registered_again_during_a_compiled_backward():
+    # Found by benchmarks/fuzz.py (seed 2003, aot_eager). A hook registers the same callable
+    # on h at every backward: the first call gives h a hook dict, the second adds the
+    # callable to it again, which eager then calls twice. A compiled replay found the change
+    # by comparing the dict's callables, not counting them, so the replay of the second
+    # call, cached, kept the hook in the graph with the callable once.
+    def run(backward):
+        log = []
+        x = torch.randn(3, requires_grad=True)
+        h = x * 2
+        out = h.exp()
+
+        def recording(g):
+            log.append(len(log))
+
+        out.register_hook(lambda g: h.register_hook(recording) and None)
+        backward(out.sum(), retain_graph=True)
+        backward(out.sum())
+        return log
+
+    expected = run(eager_backward)
+    eager_fact(expected == [0, 1, 2], f"eager's calls: {expected}")
+    for _ in range(2):  # the second run's calls hit the replays the first one cached
+        assert run(lambda *a, **k: replaygrad.backward(*a, compiler="aot_eager", **k)) == expected
+
+
 # ---- compiled replays ----------------------------------------------------------------------
 
 

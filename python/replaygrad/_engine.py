@@ -22,6 +22,7 @@ import contextlib
 import logging
 import operator
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -535,9 +536,11 @@ def _hooks_changed_during(
     removed = shrunk and entry.replay.hooks_in_graph
     if handles and in_graph and entry.replay.hooks_in_graph and hooks:
         # Callables added have handles; with one added, one removed need not shorten a dict.
-        now = hook_arguments(dicts, True)
-        added = any(fn not in before for fns, before in zip(now, hooks) for fn in fns)
-        removed = removed or any(fn not in fns for fns, before in zip(now, hooks) for fn in before)
+        # Counted, as one callable can be registered more than once.
+        for fns, before in zip(hook_arguments(dicts, True), hooks):
+            now, then = Counter(map(id, fns)), Counter(map(id, before))
+            added = added or bool(now - then)
+            removed = removed or bool(then - now)
     changes = []
     if steps:
         order = plan.order()
