@@ -227,13 +227,13 @@ def _code_reached(fn: FunctionType, depth: int) -> frozenset[str]:
     known = entry[1]
     names = known.get(depth)
     if names is None:
-        names = set()
+        found: set[str] = set()
         codes = [code]
         while codes:
             c = codes.pop()
-            names.update(c.co_names)
+            found.update(c.co_names)
             codes.extend(k for k in c.co_consts if isinstance(k, CodeType))
-        names = frozenset(names)
+        names = frozenset(found)
         if depth > 0:
             callees = [fn.__globals__.get(name) for name in names]
             names = names.union(*(_reached(c, depth - 1) for c in callees if _followed(c, fn)))
