@@ -39,8 +39,8 @@ from ._replay import (
     may_edit_hooks,
     node_error,
     non_strided_steps,
+    observes_earlier_steps,
     reads_current_node,
-    reads_grad,
     replaying,
     running,
     traced_step,
@@ -402,10 +402,12 @@ _ASKS_NODE = (
     "outside the graph"
 )
 
-#: Why a replay's hooks move out of the graph when one may read or write a `.grad`.
-_READS_GRAD = (
-    "a Python hook may read or write a tensor's .grad, which has the values of the steps "
-    "before it (accumulations, retain_grad) only outside the graph"
+#: Why a replay's hooks move out of the graph when one may read or write a `.grad` or run
+#: a backward.
+_OBSERVES_STEPS = (
+    "a Python hook may read or write a tensor's .grad, or run a backward, which see the "
+    "effects of the steps before it (accumulations, retain_grad, freed saved values) only "
+    "outside the graph"
 )
 
 
@@ -611,9 +613,11 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
             config = Config(None, fallback=config.fallback)
     hooks = hook_arguments(dicts, entry.replay.hooks_in_graph)
     if entry.replay.hooks_in_graph and hooks:
-        reason = (
-            _ASKS_NODE if reads_current_node(hooks) else _READS_GRAD if reads_grad(hooks) else None
-        )
+        reason = None
+        if reads_current_node(hooks):
+            reason = _ASKS_NODE
+        elif observes_earlier_steps(hooks):
+            reason = _OBSERVES_STEPS
         if reason is not None:
             cache.move_hooks_outside(entry, plan, config, reason)
             hooks = hook_arguments(dicts, in_graph=False)

@@ -175,15 +175,17 @@ def may_edit_hooks(hooks: list) -> bool:
     return _names_reached(hooks, _HOOK_EDITS)
 
 
-def reads_grad(hooks: list) -> bool:
-    """Whether a Python hook of ``hooks`` may read or write a tensor's ``.grad`` (see
-    :func:`_names_reached`). Traced into the graph, it would see ``.grad`` as it was when
-    the graph started (accumulations and ``retain_grad``'s values are applied after it, or
-    at a graph break); outside the graph it sees what the engine would have done by then."""
-    return _names_reached(hooks, _GRAD)
+def observes_earlier_steps(hooks: list) -> bool:
+    """Whether a Python hook of ``hooks`` may read or write a tensor's ``.grad``, or run a
+    backward (see :func:`_names_reached`). Traced into the graph, it would see ``.grad`` as
+    it was when the graph started (accumulations and ``retain_grad``'s values are applied
+    after it, or at a graph break), and a backward of its own through nodes that ran would
+    find their saved values still there; outside the graph it sees what the engine would
+    have done by then."""
+    return _names_reached(hooks, _EFFECT_NAMES)
 
 
-_GRAD = frozenset({"grad"})
+_EFFECT_NAMES = frozenset({"grad", "backward"})
 
 
 def _names_reached(hooks: list, names: frozenset[str]) -> bool:
