@@ -39,10 +39,9 @@ from ._replay import (
     may_edit_hooks,
     node_error,
     non_strided_steps,
-    observes_earlier_steps,
-    reads_current_node,
     replaying,
     running,
+    traced_hooks_concern,
     traced_step,
 )
 
@@ -613,12 +612,9 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
             config = Config(None, fallback=config.fallback)
     hooks = hook_arguments(dicts, entry.replay.hooks_in_graph)
     if entry.replay.hooks_in_graph and hooks:
-        reason = None
-        if reads_current_node(hooks):
-            reason = _ASKS_NODE
-        elif observes_earlier_steps(hooks):
-            reason = _OBSERVES_STEPS
-        if reason is not None:
+        concern = traced_hooks_concern(hooks)
+        if concern is not None:
+            reason = _ASKS_NODE if concern == "node" else _OBSERVES_STEPS
             cache.move_hooks_outside(entry, plan, config, reason)
             hooks = hook_arguments(dicts, in_graph=False)
     in_graph = entry.replay.hooks_in_graph

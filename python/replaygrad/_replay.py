@@ -143,15 +143,12 @@ def current_autograd_node() -> Any:
     return None
 
 
-def reads_current_node(hooks: list) -> bool:
-    """Whether a hook of ``hooks`` (traced ones: lists of callables) may call
-    ``torch._C._current_autograd_node()`` (see :func:`_names_reached`), which only code
-    outside the graph gets."""
-    return _names_reached(hooks, _CURRENT_NODE)
-
-
+#: Names through which a hook can ask for the current node (see traced_hooks_concern).
 _CURRENT_NODE = frozenset({"_current_autograd_node"})
 
+#: Names through which a hook can see the effects of earlier steps (see
+#: traced_hooks_concern).
+_EFFECT_NAMES = frozenset({"grad", "backward"})
 
 #: Names through which a hook can change hooks for later nodes of the backward it runs in.
 _HOOK_EDITS = frozenset(
@@ -175,17 +172,21 @@ def may_edit_hooks(hooks: list) -> bool:
     return _names_reached(hooks, _HOOK_EDITS)
 
 
-def observes_earlier_steps(hooks: list) -> bool:
-    """Whether a Python hook of ``hooks`` may read or write a tensor's ``.grad``, or run a
-    backward (see :func:`_names_reached`). Traced into the graph, it would see ``.grad`` as
-    it was when the graph started (accumulations and ``retain_grad``'s values are applied
-    after it, or at a graph break), and a backward of its own through nodes that ran would
-    find their saved values still there; outside the graph it sees what the engine would
-    have done by then."""
-    return _names_reached(hooks, _EFFECT_NAMES)
-
-
-_EFFECT_NAMES = frozenset({"grad", "backward"})
+def traced_hooks_concern(hooks: list) -> str | None:
+    """What keeps a Python hook of ``hooks`` (lists of callables) from being traced into
+    the graph, if anything (see :func:`_names_reached`): ``"node"``, it may call
+    ``torch._C._current_autograd_node()``, which only code outside the graph gets;
+    ``"effects"``, it may read or write a tensor's ``.grad``, or run a backward. Traced, it
+    would see ``.grad`` as it was when the graph started (accumulations and
+    ``retain_grad``'s values are applied after it, or at a graph break), and a backward of
+    its own through nodes that ran would find their saved values still there; outside the
+    graph it sees what the engine would have done by then."""
+    names = frozenset().union(*(_reached(fn, 2) for fns in hooks for fn in fns))
+    if not _CURRENT_NODE.isdisjoint(names):
+        return "node"
+    if not _EFFECT_NAMES.isdisjoint(names):
+        return "effects"
+    return None
 
 
 def _names_reached(hooks: list, names: frozenset[str]) -> bool:
