@@ -388,6 +388,31 @@ def test_batch_size_changes_compile_at_most_twice():
     assert unique_graphs() <= 2, f"{unique_graphs()} Dynamo graphs for batch sizes {BATCH_SIZES}"
 
 
+def test_batch_size_changes_with_a_traced_hook_compile_at_most_twice(caplog):
+    """A Python hook traced into the graph stays there when the batch size changes: the
+    recompile is for the new shapes (after which sizes are dynamic), not for state the hook
+    touches. (It was taken for the hook's: the hooks moved out of the graph, and the rebuilt
+    replay compiled twice more.)"""
+    counters.clear()
+    model = mlp()
+    params = list(model.parameters())
+    with caplog.at_level(logging.INFO, logger="replaygrad"):
+        for batch in (*BATCH_SIZES, 8, 5):
+            x = torch.randn(batch, 8)
+            expected = torch.autograd.grad(model(x).square().mean(), params)
+            h = model[0](x)
+            h.register_hook(lambda g: g * 2)
+            loss = model[2](model[1](h)).square().mean()
+            for p in params:
+                p.grad = None
+            replaygrad.backward(loss, compiler=COMPILER)
+            for p, e in zip(params[:2], expected[:2]):
+                torch.testing.assert_close(p.grad, e * 2)
+    assert lookups() == (1, len(BATCH_SIZES) + 1)
+    assert unique_graphs() <= 2, f"{unique_graphs()} Dynamo graphs for batch sizes {BATCH_SIZES}"
+    assert "outside the compiled graph" not in caplog.text
+
+
 def _shape_program(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Nodes that keep sizes (view, expand, sum over dims, mean, softmax, layer_norm, cat,
     index), broadcasting that validate_outputs reduces, in-place ops on views (CopySlices

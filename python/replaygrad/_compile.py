@@ -226,6 +226,9 @@ class Entry:
     #: A call has run with it (or, for a first call with hooks that may edit hooks,
     #: uncompiled for it: see ``_replay``).
     vetted: bool = False
+    #: The input shapes of the last call that compiled graphs for it (see
+    #: ``_recompiled_for_hooks``).
+    shapes: tuple | None = None
 
 
 class _Compiled:

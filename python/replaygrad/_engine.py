@@ -369,6 +369,16 @@ def _unfakeable(grads: tuple, saved: list) -> bool:
     ) or any(g is not None and _batched(g) for g in grads)
 
 
+def _recompiled_for_hooks(entry: Entry, plan: _core.Plan) -> bool:
+    """After a call of ``entry``'s replay, with Python hooks traced into its graph, in which
+    Dynamo compiled graphs: whether it recompiled on a cache hit for what the hooks touch
+    (state Dynamo guards on, e.g. a list's length) rather than for new input shapes (a
+    changed batch size, after which Dynamo makes sizes dynamic)."""
+    shapes = tuple(getattr(v, "shape", None) for v in (*plan.root_grads(), *plan.saved_values()))
+    before, entry.shapes = entry.shapes, shapes
+    return entry.calls > 1 and before == shapes
+
+
 def _graphs_compiled() -> int:
     """Graphs Dynamo compiled in this process so far."""
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -725,7 +735,7 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
             )
     entry.vetted = True
     if entry.replay.hooks_in_graph:
-        if hooks and entry.calls > 1 and _graphs_compiled() > graphs:
+        if hooks and _graphs_compiled() > graphs and _recompiled_for_hooks(entry, plan):
             cache.move_hooks_outside(
                 entry,
                 plan,
