@@ -413,6 +413,19 @@ def test_batch_size_changes_with_a_traced_hook_compile_at_most_twice(caplog):
     assert "outside the compiled graph" not in caplog.text
 
 
+def test_stride_change_with_a_traced_hook_keeps_it_in_the_graph(caplog):
+    """Likewise for a saved input whose strides change (a transposed batch): Dynamo
+    recompiles for them, not for the hook."""
+    model = mlp()
+    with caplog.at_level(logging.INFO, logger="replaygrad"):
+        for transposed in (False, False, True, True, False):
+            x = torch.randn(8, 4).t() if transposed else torch.randn(4, 8)
+            h = model[0](x)
+            h.register_hook(lambda g: g * 2)
+            replaygrad.backward(model[2](model[1](h)).sum(), compiler=COMPILER)
+    assert "outside the compiled graph" not in caplog.text
+
+
 def _shape_program(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Nodes that keep sizes (view, expand, sum over dims, mean, softmax, layer_norm, cat,
     index), broadcasting that validate_outputs reduces, in-place ops on views (CopySlices

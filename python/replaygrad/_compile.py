@@ -226,7 +226,7 @@ class Entry:
     #: A call has run with it (or, for a first call with hooks that may edit hooks,
     #: uncompiled for it: see ``_replay``).
     vetted: bool = False
-    #: The input shapes of the last call that compiled graphs for it (see
+    #: The input shapes and strides of the last call that compiled graphs for it (see
     #: ``_recompiled_for_hooks``).
     shapes: tuple | None = None
 

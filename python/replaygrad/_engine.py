@@ -372,11 +372,17 @@ def _unfakeable(grads: tuple, saved: list) -> bool:
 def _recompiled_for_hooks(entry: Entry, plan: _core.Plan) -> bool:
     """After a call of ``entry``'s replay, with Python hooks traced into its graph, in which
     Dynamo compiled graphs: whether it recompiled on a cache hit for what the hooks touch
-    (state Dynamo guards on, e.g. a list's length) rather than for new input shapes (a
-    changed batch size, after which Dynamo makes sizes dynamic)."""
-    shapes = tuple(getattr(v, "shape", None) for v in (*plan.root_grads(), *plan.saved_values()))
+    (state Dynamo guards on, e.g. a list's length) rather than for new input shapes or
+    strides (e.g. a changed batch size, after which Dynamo makes sizes dynamic)."""
+    shapes = tuple(map(_layout_of, (*plan.root_grads(), *plan.saved_values())))
     before, entry.shapes = entry.shapes, shapes
     return entry.calls > 1 and before == shapes
+
+
+def _layout_of(value: Any) -> tuple | None:
+    if not isinstance(value, torch.Tensor):
+        return None
+    return (value.shape, value.stride() if value.layout == torch.strided else None)
 
 
 def _graphs_compiled() -> int:
