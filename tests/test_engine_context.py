@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import replaygrad
 
@@ -366,10 +367,30 @@ def test_a_step_run_as_itself_in_a_compiled_replay_is_profiled_as_in_eager():
 
     expected = events(lambda loss: loss.backward())
     assert expected == [(True, True)]
+    # The replay's first call, profiled, would run uncompiled: a call outside the profiler
+    # compiles it first.
+    x = torch.randn(3, requires_grad=True)
+    replaygrad.backward(Doubling.apply(x.exp()).sum(), compiler="aot_eager")
     before = replaygrad.cache_info()
     got = events(lambda loss: replaygrad.backward(loss, compiler="aot_eager"))
     assert_replayed(before)
+    assert replaygrad.cache_info().hits == before.hits + 1
     assert got == expected
+
+
+def test_a_replays_first_call_while_profiling_runs_uncompiled():
+    # Its profile is eager's (the engine's events with the forward's sequence numbers;
+    # torch's test_profiler_seq_nr), not a compile's; the next call compiles the replay.
+    expected = _profiled_backward(lambda loss: loss.backward())
+    counters.clear()
+    before = replaygrad.cache_info()
+    got = _profiled_backward(lambda loss: replaygrad.backward(loss, compiler="aot_eager"))
+    assert_replayed(before)
+    assert got == expected
+    assert counters["stats"]["unique_graphs"] == 0
+    compiled = _profiled_backward(lambda loss: replaygrad.backward(loss, compiler="aot_eager"))
+    assert counters["stats"]["unique_graphs"] == 1
+    assert any(name.strip().startswith("Torch-Compiled Region") for name, _ in compiled)
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")

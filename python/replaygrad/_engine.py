@@ -617,11 +617,13 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
         return None
     dicts = plan.hook_dicts()
     vetting = None
-    if not entry.vetted and config.compiler is not None and dicts:
-        # A traced step calls the hooks its node had when the call was planned: with a hook
-        # that may change hooks, the replay's first call runs uncompiled, as the engine.
+    if not entry.vetted and config.compiler is not None:
+        # The replay's first call runs uncompiled, as the engine would, with a hook that may
+        # change hooks (a traced step calls the hooks its node had when the call was
+        # planned), or while torch's profiler records: its profile is then eager's (the
+        # engine's events, with the forward ops' sequence numbers), not that of a compile.
         before = hook_arguments(dicts, True)
-        if may_edit_hooks(before):
+        if torch._C._autograd._profiler_enabled() or (dicts and may_edit_hooks(before)):
             in_graph = entry.replay.hooks_in_graph
             vetting = (entry, config, in_graph, before if in_graph else [])
             entry = cache.uncompiled(plan, config)
