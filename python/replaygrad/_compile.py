@@ -223,8 +223,8 @@ class Entry:
     #: Steps whose regions are compiled capturing ops whose output sizes depend on data
     #: (see :func:`_capturing`).
     capture: frozenset[int] = frozenset()
-    #: A call has run with it (or, for a first call with hooks that may edit hooks,
-    #: uncompiled for it: see ``_replay``).
+    #: A call has run with it (or uncompiled for it: a first call with hooks that may edit
+    #: hooks, or while torch's profiler records; see ``_replay``).
     vetted: bool = False
     #: The input shapes and strides of the last call that compiled graphs for it (see
     #: ``_recompiled_for_hooks``).

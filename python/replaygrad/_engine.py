@@ -710,27 +710,24 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
     # none, and only code that ran outside the graph can call it (Dynamo breaks the graph
     # there).
     new_handles = RemovableHandle.next_id != handles
+    if vetting is not None:
+        # The first call ran uncompiled, as the engine would; the compiled replay is rebuilt
+        # for what its hooks changed (every later call then calls them as in eager, as after
+        # a compiled call that warns).
+        entry, config, in_graph, hooks = vetting
     # A callable only removed from a traced hook's dict (no handle) shortens it.
     shrunk = (
         config.compiler is not None
         and in_graph
         and any(map(operator.lt, map(len, dicts), map(len, hooks)))
     )
-    if vetting is not None:
-        # The first call of a compiled replay whose hooks may edit hooks ran uncompiled, as
-        # the engine would; the compiled replay is rebuilt for what they changed (every
-        # later call then calls them as in eager, as after a compiled call that warns).
-        entry, config, in_graph, hooks = vetting
-        shrunk = in_graph and any(map(operator.lt, map(len, dicts), map(len, hooks)))
-        outside = True  # every hook ran outside any graph
-        _hooks_changed_during(
+    # Code ran outside the graph: every hook, in an uncompiled first call.
+    outside = vetting is not None or not run.restartable
+    if config.compiler is not None and (new_handles or outside or shrunk):
+        changes = _hooks_changed_during(
             entry, plan, config, in_graph, dicts, hooks, new_handles, outside, shrunk
         )
-    elif config.compiler is not None and (new_handles or not run.restartable or shrunk):
-        changes = _hooks_changed_during(
-            entry, plan, config, in_graph, dicts, hooks, new_handles, not run.restartable, shrunk
-        )
-        if changes:
+        if changes and vetting is None:
             log.warning(
                 "replaygrad: hooks changed during a compiled backward (%s). The compiled "
                 "replay called the hooks the graph had when the call was planned: not new ones "

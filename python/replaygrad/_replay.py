@@ -166,22 +166,22 @@ _HOOK_EDITS = frozenset(
 def may_edit_hooks(hooks: list) -> bool:
     """Whether a Python hook of ``hooks`` (lists of callables) may register or remove hooks
     (or call ``retain_grad``) while it runs: it names one of the methods that do
-    (``remove``: a handle's; see :func:`_names_reached`). A compiled replay's traced steps
+    (``remove``: a handle's; see :func:`_hook_names`). A compiled replay's traced steps
     call the hooks their nodes had when the call was planned, so a first call with such a
     hook runs uncompiled (see ``_replay``)."""
-    return _names_reached(hooks, _HOOK_EDITS)
+    return not _HOOK_EDITS.isdisjoint(_hook_names(hooks))
 
 
 def traced_hooks_concern(hooks: list) -> str | None:
     """What keeps a Python hook of ``hooks`` (lists of callables) from being traced into
-    the graph, if anything (see :func:`_names_reached`): ``"node"``, it may call
+    the graph, if anything (see :func:`_hook_names`): ``"node"``, it may call
     ``torch._C._current_autograd_node()``, which only code outside the graph gets;
     ``"effects"``, it may read or write a tensor's ``.grad``, or run a backward. Traced, it
     would see ``.grad`` as it was when the graph started (accumulations and
     ``retain_grad``'s values are applied after it, or at a graph break), and a backward of
     its own through nodes that ran would find their saved values still there; outside the
     graph it sees what the engine would have done by then."""
-    names = frozenset().union(*(_reached(fn, 2) for fns in hooks for fn in fns))
+    names = _hook_names(hooks)
     if not _CURRENT_NODE.isdisjoint(names):
         return "node"
     if not _EFFECT_NAMES.isdisjoint(names):
@@ -189,12 +189,12 @@ def traced_hooks_concern(hooks: list) -> str | None:
     return None
 
 
-def _names_reached(hooks: list, names: frozenset[str]) -> bool:
-    """Whether the code of a callable of ``hooks`` (lists of callables), or of a function
-    defined in it or reached from it by a global name or a closure variable (two calls
-    deep; not into torch's own functions), names (as an attribute or a global) one of
-    ``names``."""
-    return any(not names.isdisjoint(_reached(fn, 2)) for fns in hooks for fn in fns)
+def _hook_names(hooks: list) -> frozenset[str]:
+    """The names (attributes and globals) that the code of the callables of ``hooks``
+    (lists of callables) uses, or the code of a function defined in one or reached from it
+    by a global name or a closure variable (two calls deep; not into torch's own
+    functions)."""
+    return frozenset().union(*(_reached(fn, 2) for fns in hooks for fn in fns))
 
 
 def _reached(fn: object, depth: int) -> frozenset[str]:
