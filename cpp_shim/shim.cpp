@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/functions/tensor.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/input_buffer.h>
+#include <torch/csrc/autograd/utils/grad_layout_contract.h>
 #include <torch/csrc/autograd/utils/warnings.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
@@ -1901,24 +1902,92 @@ rg_status rg_node_type_not_liftable(rg_node* n) {
   RG_CATCH
 }
 
+namespace {
+// Node::mutex_, which AccumulateGrad::apply holds while it accumulates.
+struct NodeMutex {
+  using type = std::mutex Node::*;
+  friend type get(NodeMutex);
+};
+template struct PrivateAccess<NodeMutex, &Node::mutex_>;
+}  // namespace
+
+// Runs `node` (an AccumulateGrad) on `grad` as the engine does, with its hooks other than
+// `planned` around it; the caller holds no GIL and has grad mode off.
+static void run_accumulate(Node& node, at::Tensor grad, const rg_planned_hooks& planned) {
+  variable_list inputs(1);
+  inputs[0] = std::move(grad);
+  RECORD_EVALUATE_FUNCTION(node);
+  inputs = call_new_pre_hooks(node, planned, std::move(inputs));
+  // As in call_function, the inputs are kept for post hooks, a reference AccumulateGrad
+  // allows for when it steals the gradient. For the planned ones the caller keeps them.
+  const bool had_post_hooks = !node.post_hooks().empty();
+  const bool new_post_hooks = node.post_hooks().size() > planned.n_planned[RG_HOOK_POST];
+  auto outputs = node(new_post_hooks ? variable_list(inputs) : std::move(inputs));
+  call_new_post_hooks(node, planned, std::move(outputs), had_post_hooks, inputs);
+}
+
 rg_status rg_node_accumulate(rg_node* n, rg_tensor* grad, const rg_planned_hooks* planned) {
   RG_TRY
   Node& node = *as_node(n);
   if (!dynamic_cast<AccumulateGrad*>(&node)) {
     return fail(RG_KIND_VALUE, "rg_node_accumulate: not an AccumulateGrad node");
   }
-  variable_list inputs(1);
-  inputs[0] = take_tensor(grad);
+  at::Tensor value = take_tensor(grad);
   at::AutoGradMode grad_mode(false);
   WithoutGil no_gil;
-  RECORD_EVALUATE_FUNCTION(node);
-  inputs = call_new_pre_hooks(node, *planned, std::move(inputs));
-  // As in call_function, the inputs are kept for post hooks, a reference AccumulateGrad
-  // allows for when it steals the gradient. For the planned ones the caller keeps them.
-  const bool had_post_hooks = !node.post_hooks().empty();
-  const bool new_post_hooks = node.post_hooks().size() > planned->n_planned[RG_HOOK_POST];
-  auto outputs = node(new_post_hooks ? variable_list(inputs) : std::move(inputs));
-  call_new_post_hooks(node, *planned, std::move(outputs), had_post_hooks, inputs);
+  run_accumulate(node, std::move(value), *planned);
+  RG_CATCH
+}
+
+// Whether AccumulateGrad::apply, given the product a.t() @ b, would add it to the
+// variable's .grad in place (accumulateGrad's case 2.3) and nothing else would see the
+// product: no hooks on the node or the variable; the grad, a and b plain dense tensors of
+// one dtype and device, the grad not sharing memory with a or b (addmm_ would refuse) and
+// obeying the gradient layout contract (else the node warns).
+static bool adds_product_in_place(AccumulateGrad& node, const at::Tensor& a, const at::Tensor& b) {
+  const at::Tensor& variable = node.variable;
+  if (!variable.defined() || !variable.requires_grad() || variable.grad_fn() ||
+      !node.tensor_pre_hooks().empty() || !node.pre_hooks().empty() ||
+      !node.post_hooks().empty() || !node.retains_grad_hooks().empty() ||
+      node.tensor_post_acc_grad_hooks() != nullptr) {
+    return false;
+  }
+  const at::Tensor& grad = variable.grad();
+  auto plain = [&](const at::Tensor& t) {
+    return t.defined() && t.layout() == at::kStrided && t.dim() == 2 &&
+           t.scalar_type() == grad.scalar_type() && t.device() == grad.device() &&
+           !at::isTensorSubclassLike(t);
+  };
+  return plain(grad) && plain(a) && plain(b) && a.size(0) == b.size(0) &&
+         grad.size(0) == a.size(1) && grad.size(1) == b.size(1) && !grad.is_alias_of(a) &&
+         !grad.is_alias_of(b) && torch::autograd::utils::obeys_layout_contract(grad, variable);
+}
+
+rg_status rg_node_accumulate_product(rg_node* n, rg_tensor* a, rg_tensor* b,
+                                     const rg_planned_hooks* planned) {
+  RG_TRY
+  Node& node = *as_node(n);
+  auto* accumulate = dynamic_cast<AccumulateGrad*>(&node);
+  if (!accumulate) {
+    return fail(RG_KIND_VALUE, "rg_node_accumulate_product: not an AccumulateGrad node");
+  }
+  at::Tensor left = take_tensor(a);
+  at::Tensor right = take_tensor(b);
+  at::AutoGradMode grad_mode(false);
+  WithoutGil no_gil;
+  if (!left.defined() || !right.defined()) {
+    // No gradient arrived (the product's factor is undefined): the node does nothing.
+    run_accumulate(node, at::Tensor(), *planned);
+  } else if (adds_product_in_place(*accumulate, left, right)) {
+    RECORD_EVALUATE_FUNCTION(node);
+    std::lock_guard<std::mutex> lock(node.*get(NodeMutex()));
+    accumulate->variable.mutable_grad().addmm_(left.t(), right);
+  } else {
+    at::Tensor product = left.t().mm(right);
+    left.reset();
+    right.reset();
+    run_accumulate(node, std::move(product), *planned);
+  }
   RG_CATCH
 }
 

@@ -233,6 +233,12 @@ rg_status rg_node_type_not_liftable(rg_node* node);
 // copy), as it does in the engine. `grad` may be NULL (no gradient). The node's hooks other
 // than `planned` are called around it (see rg_node_apply's `live`).
 rg_status rg_node_accumulate(rg_node* node, rg_tensor* grad, const rg_planned_hooks* planned);
+// rg_node_accumulate of the product a.t() @ b (a weight's gradient from a matrix product's
+// factors, both taken over), added to the variable's .grad with one addmm_ where the node
+// would add the product in place and nothing else would see it (no hooks); otherwise the
+// product is formed and accumulated. An undefined factor: no gradient.
+rg_status rg_node_accumulate_product(rg_node* node, rg_tensor* a, rg_tensor* b,
+                                     const rg_planned_hooks* planned);
 // validate_outputs over root edges (nodes may be null for edges of tensors that need no
 // grad), as Engine::execute does before running; writes the checked/cast grads to out.
 rg_status rg_validate_root_grads(rg_node* const* nodes, const uint32_t* input_nrs, size_t n,

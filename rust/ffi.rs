@@ -200,6 +200,12 @@ extern "C" {
     ) -> c_int;
     fn rg_node_type_not_liftable(node: *mut RawNode) -> c_int;
     fn rg_node_accumulate(node: *mut RawNode, grad: *mut C_tensor, planned: *const RawPlannedHooks) -> c_int;
+    fn rg_node_accumulate_product(
+        node: *mut RawNode,
+        a: *mut C_tensor,
+        b: *mut C_tensor,
+        planned: *const RawPlannedHooks,
+    ) -> c_int;
     fn rg_validate_root_grads(
         nodes: *const *mut RawNode,
         input_nrs: *const u32,
@@ -754,6 +760,24 @@ pub fn accumulate(node: &NodeRef, mut grad: Option<Tensor>, planned: &PlannedHoo
     // which is dropped (empty) afterwards; `planned` points into a value that outlives the call.
     let status = unsafe { rg_node_accumulate(node.as_ptr(), raw, &planned) };
     drop(grad);
+    check(status)
+}
+
+/// Runs an AccumulateGrad node on the product `a.t() @ b`, handing both over: added to the
+/// variable's `.grad` with one `addmm_` where the node would add the product in place and
+/// nothing else sees it, otherwise formed and accumulated as [`accumulate`] does.
+pub fn accumulate_product(
+    node: &NodeRef,
+    mut a: Option<Tensor>,
+    mut b: Option<Tensor>,
+    planned: &PlannedHooks,
+) -> Result<(), ShimError> {
+    let raw_a = a.as_mut().map_or(ptr::null_mut(), |t| t.as_mut_ptr());
+    let raw_b = b.as_mut().map_or(ptr::null_mut(), |t| t.as_mut_ptr());
+    let planned = planned.raw();
+    // SAFETY: as in `accumulate`, for both factors.
+    let status = unsafe { rg_node_accumulate_product(node.as_ptr(), raw_a, raw_b, &planned) };
+    drop((a, b));
     check(status)
 }
 

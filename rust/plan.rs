@@ -22,6 +22,16 @@ pub struct Plan {
     tensor_pre_done: Mutex<Vec<u32>>,
 }
 
+/// A value the replay hands back for a deferred effect.
+#[derive(Debug)]
+pub enum DeferredValue {
+    /// A gradient (None: undefined).
+    Tensor(Option<Tensor>),
+    /// A weight's gradient as the factors of its product `a.t() @ b`, for an accumulation
+    /// (see [`ffi::accumulate_product`]).
+    Product(Option<Tensor>, Option<Tensor>),
+}
+
 /// Something the replay hands back for the plan to do to the live graph right after it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Deferred {
@@ -348,12 +358,25 @@ impl Plan {
     pub fn run_deferred(
         &self,
         range: std::ops::Range<usize>,
-        values: &mut dyn FnMut(usize) -> Result<Option<Tensor>, ShimError>,
+        values: &mut dyn FnMut(usize) -> Result<DeferredValue, ShimError>,
     ) -> Result<(), ShimError> {
         let effects = self.deferred();
         for (i, &effect) in effects.get(range.clone()).unwrap_or(&[]).iter().enumerate() {
             let i = range.start + i;
-            let value = values(i)?;
+            let value = match (effect, values(i)?) {
+                (Deferred::Accumulate { step }, DeferredValue::Product(a, b)) => {
+                    let s = self.check_step(step)?;
+                    ffi::accumulate_product(self.node(step)?, a, b, &self.planned_hooks(s))?;
+                    continue;
+                }
+                (_, DeferredValue::Tensor(value)) => value,
+                (_, DeferredValue::Product(..)) => {
+                    return Err(ShimError::new(
+                        ErrorKind::Value,
+                        format!("deferred effect {i} takes a gradient, not a product's factors"),
+                    ))
+                }
+            };
             match effect {
                 Deferred::Accumulate { step } => self.accumulate(step, value)?,
                 Deferred::RetainGrad { step, hook } => {

@@ -11,7 +11,7 @@ use tch::Tensor;
 use crate::ffi::{self, EngineCall, HookKind, Inputs, NodeKind, NodeRef};
 use crate::layout::StepMode;
 use crate::order::NO_STEP;
-use crate::plan::{Deferred, Plan};
+use crate::plan::{Deferred, DeferredValue, Plan};
 
 /// A Python object → an optional tensor (None stays None).
 fn to_tensor(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Option<Tensor>> {
@@ -27,6 +27,24 @@ fn to_tensor(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Option<Tensor>> {
         ))),
         Err(e) => Err(PyRuntimeError::new_err(e.to_string())),
     }
+}
+
+/// A deferred effect's value: a gradient (a tensor or None), or a pair of tensors (or
+/// None), the factors of a product (see [`DeferredValue::Product`]).
+fn deferred_value(obj: &Bound<'_, PyAny>) -> PyResult<DeferredValue> {
+    if let Ok(pair) = obj.cast::<PyTuple>() {
+        if pair.len() != 2 {
+            return Err(PyTypeError::new_err(format!(
+                "a product's factors are a pair, got {} values",
+                pair.len()
+            )));
+        }
+        return Ok(DeferredValue::Product(
+            to_tensor(&pair.get_item(0)?, "factor")?,
+            to_tensor(&pair.get_item(1)?, "factor")?,
+        ));
+    }
+    Ok(DeferredValue::Tensor(to_tensor(obj, "gradient")?))
 }
 
 fn to_tensors(seq: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<Option<Tensor>>> {
@@ -555,15 +573,16 @@ impl PyPlan {
                 "replay returned {end} deferred values, the plan expects {expected}"
             )));
         }
-        let taken: Vec<Option<Tensor>> = values
+        let taken: Vec<DeferredValue> = values
             .iter()
-            .map(|v| to_tensor(&v, "gradient"))
+            .map(|v| deferred_value(&v))
             .collect::<PyResult<_>>()?;
         values.del_slice(0, values.len())?;
         self.effects_done.store(end, Ordering::Relaxed);
         let mut taken = taken.into_iter();
-        self.plan
-            .run_deferred(start..end, &mut |_| Ok(taken.next().flatten()))?;
+        self.plan.run_deferred(start..end, &mut |_| {
+            Ok(taken.next().unwrap_or(DeferredValue::Tensor(None)))
+        })?;
         Ok(())
     }
 

@@ -43,6 +43,13 @@ class Config:
     def fullgraph(self) -> bool:
         return bool(self.kwargs.get("fullgraph", False))
 
+    @property
+    def products(self) -> bool:
+        """Whether replays hand back weights' gradients as a matrix product's factors (see
+        :func:`replaygrad._replay._products`): compiled ones, but not with torch's debugging
+        backends, which run eager's ops so that their results are eager's bit for bit."""
+        return self.compiler is not None and self.compiler not in _DEBUG_BACKENDS
+
     @staticmethod
     def make(compiler: Compiler, options: dict[str, Any], fallback: str | None = None) -> Config:
         check_compiler(compiler)
@@ -81,6 +88,9 @@ def _frozen(value: Any) -> Any:
         return ("id", id(value))
     return value
 
+
+#: torch.compile's backends that run eager's ops (Dynamo's graph, or AOTAutograd's).
+_DEBUG_BACKENDS = frozenset({"eager", "aot_eager"})
 
 #: The keyword options of ``torch.compile`` (beyond ``model`` and ``backend``).
 _TORCH_COMPILE_OPTIONS = frozenset(inspect.signature(torch.compile).parameters) - {
@@ -501,6 +511,7 @@ class ReplayCache:
             escapes,
             uncompiled=config.compiler is None,
             breakless=config.compiler is not None and (breakless or config.fullgraph),
+            products=config.products,
         )
         source_log.debug("replay %s:\n%s", plan.key, replay.source)
         return replay

@@ -922,6 +922,29 @@ def retained(grad: Any) -> Any:
     return None if grad is None else grad.clone()
 
 
+def product_factors(grad: Any, a: tuple, b: tuple) -> Any:
+    """What a compiled replay hands back for the AccumulateGrad of a weight whose gradient
+    ``grad`` is the sum of the products ``a[k].t() @ b[k]`` (see :func:`_products`): the
+    pair of the factors stacked, ``A.t() @ B`` being that sum, so that one matrix product
+    makes the gradient or adds it to an existing ``.grad`` (``Plan.run_deferred``);
+    ``grad`` itself where the factors are no plain real matrices of one dtype (the compiler
+    then drops what is not used). Traced, the choice is guarded like any other branch on a
+    tensor's type."""
+    factors = (*a, *b)
+    first = factors[0]
+    plain = all(
+        t is not None
+        and t.layout == torch.strided
+        and t.dtype == first.dtype
+        and t.dim() == 2
+        and not t.dtype.is_complex
+        for t in factors
+    )
+    if not plain:
+        return grad
+    return (a[0], b[0]) if len(a) == 1 else (torch.cat(a), torch.cat(b))
+
+
 # ---- input buffers -----------------------------------------------------------------------
 
 
@@ -1024,6 +1047,7 @@ _RUNTIME = {
     "post_hook_outside": post_hook_outside,
     "buffer_sum": buffer_sum,
     "retained": retained,
+    "product_factors": product_factors,
 }
 
 
@@ -1106,6 +1130,7 @@ def regions(
     saved: Sequence[Any] = (),
     escapes: bool = True,
     breakless: bool = False,
+    products: bool = False,
 ) -> tuple[Region, ...]:
     """Splits ``plan`` into regions of about ``region_size`` steps (see :func:`_cuts`; one
     region if None) and generates their source.
@@ -1121,6 +1146,10 @@ def regions(
     ``breakless`` (a compiler that allows no graph break, ``fullgraph=True``): the steps
     where something runs outside the graph (:func:`outside_steps`) get regions of their own,
     run as Python between the compiled ones, so that no compiled region breaks its graph.
+
+    ``products`` (compiled replays but torch's debugging backends', see
+    ``Config.products``): the weights whose gradient is a matrix product, or a sum of them,
+    are accumulated from the factors (see :func:`_products`; needs ``saved``).
     """
     digests = plan.step_digests()
     size_ranges = plan.size_ranges()
@@ -1139,6 +1168,7 @@ def regions(
     if outside:
         edges = (s for s in range(1, len(steps)) if (s in outside) != (s - 1 in outside))
         cuts = sorted({*cuts, *edges})
+    factored = _products(plan, steps, opaque, hooked, absent) if products and saved else {}
     out = []
     python_hooks = 0
     for start, end in pairwise(cuts):
@@ -1155,6 +1185,7 @@ def regions(
             escapes,
             {m: (first, members, hooked[m][0]) for first, members in unpacks for m in members},
             absent,
+            {s: f for s, f in factored.items() if start <= min(f)[0] and s < end},
         )
         a, b = (steps[start][6], steps[end - 1][7]) if end > start else (0, 0)
         identity = [
@@ -1186,6 +1217,64 @@ def regions(
         )
         python_hooks += used
     return tuple(out)
+
+
+#: The matrix-product nodes whose gradient of ``mat2`` is ``mat1.t() @ grad``: the output
+#: that gradient goes out on, and whether ``mat1`` is the first of the node's two saved
+#: variables when both are defined (the slots: undefined ones first, then in the order
+#: compiled_args collects them, by name).
+_MATMULS = {"AddmmBackward0": (2, True), "MmBackward0": (1, False)}
+
+
+def _products(
+    plan: _core.Plan, steps: list, opaque: frozenset[int], hooked: dict, absent: frozenset[int]
+) -> dict[int, tuple[tuple[int, int, bool], ...]]:
+    """The AccumulateGrad steps whose gradient is a matrix product or a sum of them:
+    ``{step: ((matmul step, saved slot of mat1, transposed), ...)}``, one per gradient that
+    arrives. Such a weight is ``mat2`` of ``mm`` or ``addmm`` (with ``alpha`` 1), or its
+    transpose (``nn.Linear``'s ``addmm(b, x, W.t())``), and its gradient ``mat1.t() @ grad``
+    (``grad.t() @ mat1`` transposed); used in several products (an unrolled RNN's), the sum
+    of theirs is one product of the factors stacked. The replay hands back the factors (see
+    :func:`product_factors`): one matrix product makes the gradient, or adds it to an
+    existing ``.grad`` with ``addmm_``, a pass over the weight where eager makes two per
+    product (the product, then the add; inductor's graph likewise). The steps on the way run
+    nothing else: traced, without hooks or captures."""
+    out = {}
+    nodes: list | None = None
+
+    def factors(p: int, index: int) -> tuple[int, int, bool] | None:
+        nonlocal nodes
+        transposed = p >= 0 and steps[p][0] == "TBackward0"
+        if transposed:
+            if not _plain_traced(steps[p], p, opaque) or len(steps[p][8][0]) != 1:
+                return None
+            p, index = steps[p][8][0][0]
+        if p < 0 or _MATMULS.get(steps[p][0], (None,))[0] != index:
+            return None
+        if not _plain_traced(steps[p], p, opaque) or p in hooked:
+            return None
+        a, b = steps[p][6], steps[p][7]
+        mat1 = a if _MATMULS[steps[p][0]][1] and a not in absent else a + 1
+        if b - a != 2 or mat1 in absent:
+            return None
+        if steps[p][0] == "AddmmBackward0":
+            nodes = plan.nodes() if nodes is None else nodes
+            if nodes[p]._saved_alpha != 1:
+                return None
+        return p, mat1, transposed
+
+    for s, step in enumerate(steps):
+        if step[2] != "deferred_accumulate" or step[10] or step[11] or not step[8][0]:
+            continue
+        found = [factors(p, index) for p, index in step[8][0]]
+        if all(found):
+            out[s] = tuple(found)
+    return out
+
+
+def _plain_traced(step: tuple, s: int, opaque: frozenset[int]) -> bool:
+    """Whether plan step ``s`` is a traced node of torch's without hooks or captures."""
+    return step[1:3] == ("generic", "traced") and s not in opaque and not step[10] and not step[11]
 
 
 def _traced_copy_slices(step: tuple, s: int, opaque: frozenset[int]) -> bool:
@@ -1264,6 +1353,7 @@ def _region_source(
     escapes: bool = True,
     unpacked: dict[int, tuple[int, tuple[int, ...], int]] | None = None,
     absent: frozenset[int] = frozenset(),
+    products: dict[int, tuple[tuple[int, int, bool], ...]] | None = None,
 ) -> tuple[str, tuple, tuple, tuple, int]:
     """Straight-line source for ``region(inc, saved, sizes, hooks, deferred)``, one block per step
     as engine.cpp runs it, and its interface: the incoming and exported input buffers (as
@@ -1289,9 +1379,13 @@ def _region_source(
     group's values are unpacked at its first step (one graph break for a checkpointed
     block), each step's dropped after it ran. ``absent``: the saved slots that hold None
     (undefined SavedVariables; the keys tell them apart): the region passes None there
-    without reading ``saved``, so that a compiler does not guard on them.
+    without reading ``saved``, so that a compiler does not guard on them. ``products``: the
+    AccumulateGrad steps that take their gradient as a product's factors (see
+    :func:`_products`; their matmul steps are in the region).
     """
     unpacked = unpacked or {}
+    products = products or {}
+    factors = {p for sources in products.values() for p, _, _ in sources}
     groups: dict[int, str] = {}
     where = ("" if escapes else "_in_graph") if hooks_in_graph else "_outside"
     incoming: dict[tuple[int, int], int] = {}
@@ -1412,6 +1506,10 @@ def _region_source(
                 saved_k = f"[*{saved_slots(a, b - count)}, *{u}]"
                 # Dropped once the step ran, as the engine drops what a node unpacked.
                 done = f"del {groups[first]}" if s == members[-1] else f"{u} = None"
+            if s in factors:
+                # The gradient a weight's is the product of, with a saved value (see
+                # _products).
+                body.append(f"f{k} = i[0]")
             if escapes and steps[s][1] == "python_function":
                 body.append(f"o{k} = apply_function(deferred, {k}, i, {saved_k}{lifted})")
             else:
@@ -1429,6 +1527,16 @@ def _region_source(
                 body.append(f"del {', '.join(f'o{p - start}' for p in producers)}")
             run = "apply_opaque" if mode == "opaque" else "apply_accumulate"
             body.append(f"o{k} = {run}(deferred, {k}, i, {not post})")
+        elif mode == "deferred_accumulate" and s in products:
+            assert (s, -1) in effects
+            pairs, grads = [], []
+            for p, slot, transposed in products[s]:
+                grad, mat1 = f"f{p - start}", f"saved[{slot - saved_base}]"
+                pairs.append((grad, mat1) if transposed else (mat1, grad))
+                grads.append(grad)
+            a, b = (f"({', '.join(side)},)" for side in zip(*pairs))
+            body.append(f"deferred.append(product_factors(i[0], {a}, {b}))")
+            body.append(f"del {', '.join(grads)}")
         elif mode == "deferred_accumulate":
             assert (s, -1) in effects
             body.append("deferred.append(i[0])")
@@ -1543,6 +1651,7 @@ def build(
     escapes: bool = True,
     uncompiled: bool = False,
     breakless: bool = False,
+    products: bool = False,
 ) -> Replay:
     """Generates the replay of ``plan``, each region's function compiled by
     ``compile_region(region, fn)``. ``uncompiled``: the regions run as Python (no compiler
@@ -1552,7 +1661,7 @@ def build(
     trace, always makes new sums). ``breakless``: see :func:`regions`; there the steps with
     hooked saved values run as themselves (the unpack of a checkpointed block's values is a
     graph break, see :func:`unpack_saved`), and Python hooks are not traced where anything
-    runs outside the graph."""
+    runs outside the graph. ``products``: see :func:`regions`."""
     steps = plan.steps()
     opaque = opaque | steps_run_as_themselves(plan, steps)
     if breakless:
@@ -1562,7 +1671,9 @@ def build(
             # hook in it fails to compile (which, with no graph break allowed, any hook Dynamo
             # cannot trace does): the hooks run between regions too.
             hooks_in_graph = False
-    found = regions(plan, steps, hooks_in_graph, opaque, region_size, saved, escapes, breakless)
+    found = regions(
+        plan, steps, hooks_in_graph, opaque, region_size, saved, escapes, breakless, products
+    )
     namespace: dict[str, Any] = {"at": at, "buffer_sum": buffer_sum}
     runtime = _RUNTIME
     if uncompiled:

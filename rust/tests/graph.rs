@@ -4,7 +4,7 @@
 use replaygrad::errors::{ErrorKind, ShimError};
 use replaygrad::ffi::{Inputs, NodeKind, NodeRef};
 use replaygrad::layout::StepMode;
-use replaygrad::plan::Plan;
+use replaygrad::plan::{DeferredValue, Plan};
 use tch::{Device, Kind, Tensor};
 
 fn leaf(values: &[f32]) -> Tensor {
@@ -514,4 +514,49 @@ fn the_graphs_lock_is_recursive_and_keeps_other_threads_from_planning() {
     drop(outer);
     assert_eq!(planned.recv_timeout(Duration::from_secs(30)), Ok(3));
     other.join().expect("join");
+}
+
+#[test]
+fn a_product_is_accumulated_in_place_into_an_existing_grad() {
+    // x @ w.t() with w a leaf: w's gradient reaches its AccumulateGrad through TBackward0.
+    let w = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0])
+        .view([2, 3])
+        .set_requires_grad(true);
+    let x = Tensor::from_slice(&[1.0f32, 0.5, -1.0, 2.0, 0.0, 1.0]).view([2, 3]);
+    let y = x.mm(&w.tr()).sum(Kind::Float);
+    let plan = plan_of(&[&y]);
+    assert_eq!(plan.deferred().len(), 1, "w's accumulation only");
+    let g = Tensor::from_slice(&[1.0f32, 2.0, -1.0, 0.5]).view([2, 2]);
+    let product = g.tr().mm(&x);
+    let factors = |_| {
+        Ok(DeferredValue::Product(
+            Some(g.shallow_clone()),
+            Some(x.shallow_clone()),
+        ))
+    };
+    // No .grad yet: the product becomes it.
+    plan.run_deferred(0..1, &mut factors.clone())
+        .expect("first accumulation");
+    let first = w.grad();
+    assert!(allclose(&first, &product));
+    // Then it is added in place: the same tensor, twice the product.
+    plan.run_deferred(0..1, &mut factors.clone())
+        .expect("second accumulation");
+    assert_eq!(w.grad().data_ptr(), first.data_ptr());
+    assert!(allclose(&w.grad(), &(&product * 2.0)));
+}
+
+#[test]
+fn an_undefined_factor_is_no_gradient() {
+    let w = Tensor::from_slice(&[1.0f32, 2.0])
+        .view([1, 2])
+        .set_requires_grad(true);
+    let x = Tensor::from_slice(&[3.0f32, 4.0]).view([1, 2]);
+    let y = x.mm(&w.tr()).sum(Kind::Float);
+    let plan = plan_of(&[&y]);
+    plan.run_deferred(0..1, &mut |_| {
+        Ok(DeferredValue::Product(None, Some(x.shallow_clone())))
+    })
+    .expect("no gradient");
+    assert!(!w.grad().defined());
 }

@@ -1,0 +1,255 @@
+"""Weights whose gradient is a matrix product (``nn.Linear``, ``x @ W``) or a sum of them
+(an unrolled cell's): compiled replays hand back the factors, and one matrix product makes
+the gradient or adds it to an existing ``.grad`` (``addmm_``). Each test compares with eager
+over several backward calls that accumulate, the first into no ``.grad``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import replaygrad
+from replaygrad._compile import cache
+
+from conftest import assert_grads_equal
+
+
+def aot(fn):
+    """torch.compile with aot_eager as a compiler callable: replays compiled with it take
+    products' factors, which replays compiled with torch's debugging backends by name do not
+    (``Config.products``)."""
+    return torch.compile(fn, backend="aot_eager")
+
+
+FACTORING = [aot, "inductor"]
+
+
+def factored(source: str) -> int:
+    return source.count("product_factors(")
+
+
+def replay_sources() -> list[str]:
+    return [entry.replay.source for entry in cache._entries.values()]
+
+
+class Forms(torch.nn.Module):
+    """One weight per way a matrix product reaches it."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        p = lambda *shape: torch.nn.Parameter(torch.randn(*shape, dtype=dtype))  # noqa: E731
+        self.linear = p(6, 5)  # F.linear with a bias: addmm(b, x, W.t())
+        self.bias = p(6)
+        self.nobias = p(6, 6)  # F.linear without a bias: mm(x, W.t())
+        self.right = p(6, 4)  # x @ W
+        self.addmm = p(4, 4)  # addmm(b, x, W)
+        self.scaled = p(4, 3)  # addmm(b, x, W, alpha=2): not factored
+        self.shared = p(3, 3)  # in two products: its gradient is their sum
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.linear(x, self.linear, self.bias).tanh()
+        h = F.linear(h, self.nobias).tanh()
+        h = (h @ self.right).tanh()
+        h = torch.addmm(self.bias[:4], h, self.addmm).tanh()
+        h = torch.addmm(self.bias[:3], h, self.scaled, alpha=2.0)
+        return (h @ self.shared @ self.shared).square().sum()
+
+
+def accumulate(model: torch.nn.Module, inputs: list[torch.Tensor], compiler=None) -> list:
+    """Backward of each input without zeroing (the first into no .grad): the gradients after
+    each call, and the .grad objects."""
+    seen = []
+    for x in inputs:
+        if compiler is False:
+            model(x).backward()
+        else:
+            replaygrad.backward(model(x), compiler=compiler)
+        seen.append([p.grad.clone() for p in model.parameters()])
+    return seen
+
+
+@pytest.mark.parametrize("compiler", FACTORING)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_weights_of_matrix_products_accumulate_as_in_eager(compiler, dtype):
+    eager = Forms(dtype)
+    rg = copy.deepcopy(eager)
+    inputs = [torch.randn(7, 5, dtype=dtype) for _ in range(4)]
+    expected = accumulate(eager, inputs, compiler=False)
+    got = accumulate(rg, inputs, compiler=compiler)
+    for after_eager, after_rg in zip(expected, got):
+        assert_grads_equal(after_eager, after_rg, exact=False, scaled=True)
+    for e, g in zip(eager.parameters(), rg.parameters()):
+        assert g.grad.stride() == e.grad.stride()
+    # All but scaled (alpha 2).
+    (source,) = replay_sources()
+    assert factored(source) == 5
+
+
+def test_an_existing_grad_is_added_to_in_place():
+    model = torch.nn.Linear(5, 3)
+    x = torch.randn(4, 5)
+    replaygrad.backward(model(x).sum(), compiler=aot)
+    grad = model.weight.grad
+    version = grad._version
+    before = grad.clone()
+    replaygrad.backward(model(x).sum(), compiler=aot)
+    assert model.weight.grad is grad and grad._version > version
+    torch.testing.assert_close(grad, 2 * before)
+
+
+@pytest.mark.parametrize("compiler", [None, "aot_eager"])
+def test_uncompiled_and_debugging_replays_run_the_nodes_formulas(compiler):
+    # Bit for bit eager's: uncompiled, and with aot_eager, which runs eager's ops.
+    model = Forms()
+    eager = copy.deepcopy(model)
+    inputs = [torch.randn(7, 5) for _ in range(3)]
+    expected = accumulate(eager, inputs, compiler=False)
+    got = accumulate(model, inputs, compiler=compiler)
+    for after_eager, after_rg in zip(expected, got):
+        assert_grads_equal(after_eager, after_rg, exact=True)
+    assert all(factored(source) == 0 for source in replay_sources())
+
+
+def run_both(make, step, compiler=aot, calls=3):
+    """Runs ``step(model)`` (a backward) on an eager model and a replaygrad copy ``calls``
+    times and compares every parameter's .grad after each."""
+    torch.manual_seed(0)
+    eager = make()
+    torch.manual_seed(0)
+    rg = make()
+    for _ in range(calls):
+        step(eager)
+        with replaygrad.enable(compiler):
+            step(rg)
+        for e, g in zip(eager.parameters(), rg.parameters()):
+            if e.grad is None:
+                assert g.grad is None
+            else:
+                assert_grads_equal([e.grad], [g.grad], exact=False, scaled=True)
+    return eager, rg
+
+
+@pytest.mark.parametrize("compiler", [None, aot])
+def test_a_non_contiguous_grad_stays_the_grad(compiler):
+    # .grad set by the user with other strides: eager adds to it in place, as addmm_ does.
+    def make():
+        model = torch.nn.Linear(5, 3)
+        model.weight.grad = torch.ones(5, 3).t()
+        return model
+
+    x = torch.randn(4, 5)
+    eager, rg = run_both(make, lambda m: m(x).sum().backward(), compiler)
+    assert rg.weight.grad.stride() == eager.weight.grad.stride() == (1, 3)
+
+
+@pytest.mark.parametrize("compiler", [None, aot])
+def test_a_grad_that_is_the_input_itself(compiler):
+    # W.grad is x, which the product reads: eager forms the product, then adds it to x.
+    def step(model):
+        x = torch.arange(9.0).view(3, 3) / 10
+        model.weight.grad = x
+        (model(x) ** 2).sum().backward()
+        model.x = x
+
+    eager, rg = run_both(lambda: torch.nn.Linear(3, 3, bias=False), step, compiler, calls=1)
+    torch.testing.assert_close(rg.x, eager.x)
+
+
+@pytest.mark.parametrize("compiler", [None, aot])
+def test_hooks_on_the_weight_see_what_eager_shows(compiler):
+    def make():
+        model = torch.nn.Linear(5, 3)
+        model.seen = []
+        model.weight.register_hook(lambda g: g * 2)
+        model.weight.register_post_accumulate_grad_hook(lambda p: model.seen.append(p.grad.clone()))
+        return model
+
+    x = torch.randn(4, 5)
+    eager, rg = run_both(make, lambda m: m(x).sum().backward(), compiler, calls=2)
+    assert len(rg.seen) == len(eager.seen) == 2
+    assert_grads_equal(eager.seen, rg.seen, exact=False)
+
+
+@pytest.mark.parametrize("compiler", [None, aot])
+def test_a_hook_registered_on_the_weight_during_the_backward(compiler):
+    # The first module's weight gets a hook from a hook that runs before its AccumulateGrad:
+    # the accumulation then forms the product and runs the node with its hooks.
+    def make():
+        model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+        model.calls = []
+
+        def register(grad):
+            model[0].weight.register_hook(lambda g: model.calls.append(1) or g * 3)
+            return grad
+
+        model[2].weight.register_hook(register)
+        return model
+
+    x = torch.randn(3, 5)
+    eager, rg = run_both(make, lambda m: m(x).sum().backward(), compiler, calls=2)
+    assert rg.calls == eager.calls
+
+
+@pytest.mark.parametrize("compiler", [None, aot])
+def test_a_weight_that_stops_requiring_grad_after_the_forward(compiler):
+    def step(model):
+        loss = model(torch.randn(4, 5)).sum()
+        model.weight.requires_grad_(False)
+        loss.backward()
+        model.weight.requires_grad_(True)
+
+    run_both(lambda: torch.nn.Linear(5, 3), step, compiler)
+
+
+def test_complex_weights_accumulate_the_conjugate_product():
+    def make():
+        model = torch.nn.Linear(5, 3, dtype=torch.complex64)
+        return model
+
+    x = torch.randn(4, 5, dtype=torch.complex64)
+    run_both(make, lambda m: m(x).abs().sum().backward())
+
+
+def test_a_batch_of_sequences_through_linear_layers():
+    # 3-d inputs: linear flattens them into one addmm.
+    def make():
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+
+    x = torch.randn(2, 5, 8)
+    run_both(make, lambda m: m(x).square().mean().backward(), "inductor")
+    (source,) = replay_sources()
+    assert factored(source) == 2
+
+
+@pytest.mark.parametrize("compiler", FACTORING)
+def test_an_unrolled_cells_weights_take_one_product(compiler):
+    # Each weight of the cell is in one addmm per step: their gradients' sum is one product
+    # of the steps' factors stacked.
+    def make():
+        return torch.nn.GRUCell(6, 5)
+
+    xs = torch.randn(4, 3, 6)
+
+    def step(cell):
+        h = torch.zeros(3, 5)
+        for x in xs:
+            h = cell(x, h)
+        h.square().sum().backward()
+
+    run_both(make, step, compiler)
+    (source,) = replay_sources()
+    assert factored(source) == 2
+
+
+def test_a_weight_in_a_product_and_elsewhere_is_not_factored():
+    # W's gradient is a product plus the gradient of W.sum(): formed as in eager.
+    def make():
+        return torch.nn.Linear(4, 3)
+
+    x = torch.randn(5, 4)
+    run_both(make, lambda m: (m(x).sum() + m.weight.sum()).backward())
+    (source,) = replay_sources()
+    assert factored(source) == 0
