@@ -7,6 +7,7 @@ Usage::
     python benchmarks/fuzz.py --examples 20000                    # uncompiled, float64, exact
     python benchmarks/fuzz.py --examples 500 --compiler aot_eager  # float32, tolerances
     python benchmarks/fuzz.py --examples 100 --compiler inductor --max-ops 12
+    python benchmarks/fuzz.py --examples 500 --compiler aot     # aot_eager as a callable
     python benchmarks/fuzz.py --examples 5000 --seed 7 --keep-going
     python benchmarks/fuzz.py --include-excluded --inplace-hooks --keep-going
 
@@ -23,6 +24,7 @@ import collections
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from hypothesis import HealthCheck, given, seed, settings
@@ -35,14 +37,21 @@ import fuzz_graphs  # noqa: E402
 import replaygrad  # noqa: E402
 
 
+def aot_callable(fn: Any) -> Any:
+    """``--compiler aot``: aot_eager given as a compiler callable."""
+    return torch.compile(fn, backend="aot_eager")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--examples", type=int, default=5000, help="number of programs")
     p.add_argument(
         "--compiler",
         default="none",
-        help="none (exact comparison in float64) or a torch.compile backend "
-        "(float32, compared with tolerances)",
+        help="none (exact comparison in float64), a torch.compile backend (float32, compared "
+        "with tolerances), or aot: aot_eager as a compiler callable, whose replays, like "
+        "inductor's, take weights' gradients from matrix products as their factors "
+        "(replays compiled with the backend name aot_eager run eager's ops)",
     )
     p.add_argument(
         "--dtype", choices=("float64", "float32"), help="leaf dtype (default by compiler)"
@@ -82,7 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    compiler = None if args.compiler.lower() in ("none", "") else args.compiler
+    compiler: Any = None if args.compiler.lower() in ("none", "") else args.compiler
+    if compiler == "aot":
+        compiler = aot_callable
     dtype = getattr(torch, args.dtype or ("float64" if compiler is None else "float32"))
     exact = compiler is None and dtype == torch.float64
     if args.kinds:

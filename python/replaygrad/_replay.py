@@ -1507,8 +1507,7 @@ def _region_source(
                 # Dropped once the step ran, as the engine drops what a node unpacked.
                 done = f"del {groups[first]}" if s == members[-1] else f"{u} = None"
             if s in factors:
-                # The gradient a weight's is the product of, with a saved value (see
-                # _products).
+                # Its gradient is a factor of a weight's gradient (see _products).
                 body.append(f"f{k} = i[0]")
             if escapes and steps[s][1] == "python_function":
                 body.append(f"o{k} = apply_function(deferred, {k}, i, {saved_k}{lifted})")
