@@ -1,7 +1,7 @@
 """Random autograd programs for differential fuzzing of replaygrad against eager autograd.
 
 A :class:`Program` is plain data: leaf shapes, a list of :class:`Op` specs that refer to
-earlier values by index (:data:`OPS`: unary, broadcasting binary, reductions, matmul, views,
+earlier values by index (:data:`OPS`: unary, broadcasting binary, reductions, matmul, linear, views,
 in-place ops on intermediates and on their views, cat/stack, indexing, where, unbind/chunk,
 casts, custom autograd Functions, checkpointing, sparse embedding gradients, tensor and
 grad_fn hooks, retain_grad), the roots with the seeds of their gradients, and how the
@@ -723,6 +723,27 @@ def _matmul(b, i, j):
     return [b.env[i] @ b.env[j]]
 
 
+def _gen_linear(draw, state):
+    # The weight a leaf, as a parameter is; the input another value.
+    j = _pick(draw, state, lambda t: t.is_leaf and t.dim() == 2)
+    if j is None:
+        return None
+    w = state.env[j]
+    i = _pick(draw, state, lambda t: t is not w and t.dim() >= 1 and t.shape[-1] == w.shape[1])
+    if i is None or state.env[i].dtype != w.dtype:
+        return None
+    return (i, j, draw(st.booleans())), [i, j]
+
+
+@_op("linear", _gen_linear, saves_inputs=True)
+def _linear(b, i, j, bias):
+    """``nn.Linear``'s op, the weight another value (with a bias, its first column): a leaf
+    weight used in matrix products only gets its gradient from their factors in compiled
+    replays (see replaygrad._replay._products)."""
+    w = b.env[j]
+    return [torch.nn.functional.linear(b.env[i], w, w[:, 0] if bias else None)]
+
+
 @_op("matmul_self_t", lambda draw, state: _gen_nd_exact(draw, state, 2), saves_inputs=True)
 def _matmul_self_t(b, i):
     x = b.env[i]
@@ -1290,6 +1311,7 @@ DEFAULT_WEIGHT = 4
 WEIGHTS: dict[str, int] = {
     **dict.fromkeys(("tensor_hook", "prehook", "posthook", "retain_grad"), 12),
     "post_acc_hook": 8,
+    "linear": 8,
     **dict.fromkeys(INPLACE, 8),
     **dict.fromkeys(
         ("fn_mul_saved", "fn_none_for_second", "fn_no_materialize", "fn_non_differentiable"), 8

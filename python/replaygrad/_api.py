@@ -43,7 +43,10 @@ def backward(
         inputs: accumulate only into these tensors (or GradientEdges), as in torch.
         compiler: a torch.compile backend name (e.g. ``"inductor"``, ``"aot_eager"``), a
             callable that compiles a function (e.g. ``torch.compile(fullgraph=True)``), or
-            ``None`` to run the replay uncompiled.
+            ``None`` to run the replay uncompiled. Uncompiled, gradients are eager's bit
+            for bit (where eager is deterministic); compiled, within float tolerance:
+            ``"aot_eager"`` runs eager's ops, and other compilers fuse them and form the
+            gradients of weights in matrix products from the factors.
         fallback: ``"eager"`` to have the engine run a call whose replay fails to compile
             (and later calls with the same plan), logged as a warning; by default the error
             is raised with the plan's key. A failure after parts of the call ran (a later
