@@ -560,9 +560,11 @@ impl PyPlan {
     }
 
     /// Performs the plan's next deferred effects, one per value the replay appended to
-    /// `values`, going on from the effects performed before. `values` is emptied first, so
-    /// that a gradient referenced nowhere else can be stolen by AccumulateGrad instead of
-    /// copied. `complete=True` (the end of the replay): these must be all the remaining ones.
+    /// `values` (a gradient, or for an accumulation the pair of factors `(a, b)` of the
+    /// gradient `a.t() @ b`), going on from the effects performed before. `values` is emptied
+    /// first, so that a gradient referenced nowhere else can be stolen by AccumulateGrad
+    /// instead of copied. `complete=True` (the end of the replay): these must be all the
+    /// remaining ones.
     #[pyo3(signature = (values, complete=true))]
     fn run_deferred(&self, values: &Bound<'_, PyList>, complete: bool) -> PyResult<()> {
         let expected = self.plan.deferred().len();
