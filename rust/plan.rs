@@ -208,6 +208,18 @@ impl Plan {
         ffi::accumulate(self.node(step)?, grad, &self.planned_hooks(s))
     }
 
+    /// Runs the step's AccumulateGrad on the product `a.t() @ b` (see
+    /// [`ffi::accumulate_product`]).
+    pub fn accumulate_product(
+        &self,
+        step: u32,
+        a: Option<Tensor>,
+        b: Option<Tensor>,
+    ) -> Result<(), ShimError> {
+        let s = self.check_step(step)?;
+        ffi::accumulate_product(self.node(step)?, a, b, &self.planned_hooks(s))
+    }
+
     /// Whether the step's node got hooks since it was planned (registered by an earlier
     /// hook of this backward); for a skipped step, tensor pre-hooks or retains_grad hooks,
     /// all the engine calls for a node it does not run.
@@ -363,23 +375,14 @@ impl Plan {
         let effects = self.deferred();
         for (i, &effect) in effects.get(range.clone()).unwrap_or(&[]).iter().enumerate() {
             let i = range.start + i;
-            let value = match (effect, values(i)?) {
+            match (effect, values(i)?) {
+                (Deferred::Accumulate { step }, DeferredValue::Tensor(value)) => {
+                    self.accumulate(step, value)?
+                }
                 (Deferred::Accumulate { step }, DeferredValue::Product(a, b)) => {
-                    let s = self.check_step(step)?;
-                    ffi::accumulate_product(self.node(step)?, a, b, &self.planned_hooks(s))?;
-                    continue;
+                    self.accumulate_product(step, a, b)?
                 }
-                (_, DeferredValue::Tensor(value)) => value,
-                (_, DeferredValue::Product(..)) => {
-                    return Err(ShimError::new(
-                        ErrorKind::Value,
-                        format!("deferred effect {i} takes a gradient, not a product's factors"),
-                    ))
-                }
-            };
-            match effect {
-                Deferred::Accumulate { step } => self.accumulate(step, value)?,
-                Deferred::RetainGrad { step, hook } => {
+                (Deferred::RetainGrad { step, hook }, DeferredValue::Tensor(value)) => {
                     let output = self.hook(step, hook)?.index as usize;
                     let s = step as usize;
                     let width =
@@ -389,6 +392,12 @@ impl Plan {
                         list[output] = value;
                     }
                     self.call_hook(step, hook, &list, &[])?;
+                }
+                (Deferred::RetainGrad { .. }, DeferredValue::Product(..)) => {
+                    return Err(ShimError::new(
+                        ErrorKind::Value,
+                        format!("deferred effect {i} takes a gradient, not a product's factors"),
+                    ))
                 }
             }
         }
