@@ -922,16 +922,13 @@ def retained(grad: Any) -> Any:
     return None if grad is None else grad.clone()
 
 
-def product_factors(grad: Any, a: tuple, b: tuple) -> Any:
-    """What a compiled replay hands back for the AccumulateGrad of a weight whose gradient
-    ``grad`` is the sum of the products ``a[k].t() @ b[k]`` (see :func:`_products`): the
-    pair of the factors stacked, ``A.t() @ B`` being that sum, so that one matrix product
-    makes the gradient or adds it to an existing ``.grad`` (``Plan.run_deferred``);
-    ``grad`` itself where the factors are no plain real matrices of one dtype (the compiler
-    then drops what is not used). Traced, the choice is guarded like any other branch on a
-    tensor's type."""
+def _stacked(a: tuple, b: tuple, acc: Any) -> tuple[Any, Any] | None:
+    """The factors of :func:`product_factors` and :func:`product_block` stacked, ``A.t() @
+    B`` being the sum of the products ``a[k].t() @ b[k]``; None where they are no plain real
+    matrices of one dtype (that of ``acc``, the sum so far, if any). Traced, the choice is
+    guarded like any other branch on a tensor's type."""
     factors = (*a, *b)
-    first = factors[0]
+    first = factors[0] if acc is None else acc
     plain = all(
         t is not None
         and t.layout == torch.strided
@@ -941,8 +938,41 @@ def product_factors(grad: Any, a: tuple, b: tuple) -> Any:
         for t in factors
     )
     if not plain:
-        return grad
+        return None
     return (a[0], b[0]) if len(a) == 1 else (torch.cat(a), torch.cat(b))
+
+
+def product_block(acc: Any, a: tuple, b: tuple) -> Any:
+    """A block of a weight's products (see :func:`_products`) added up in the graph: ``acc``
+    (the blocks before, None for the first) plus the sum of ``a[k].t() @ b[k]``, as one
+    matrix product of the factors stacked; False where they are no plain matrices (the
+    weight then takes the gradient its nodes form, see :func:`product_factors`)."""
+    if acc is False:
+        return False
+    stacked = _stacked(a, b, acc)
+    if stacked is None:
+        return False
+    first, second = stacked
+    return first.t() @ second if acc is None else torch.addmm(acc, first.t(), second)
+
+
+def product_factors(grad: Any, a: tuple, b: tuple, acc: Any = None) -> Any:
+    """What a compiled replay hands back for the AccumulateGrad of a weight whose gradient
+    ``grad`` is the sum of the products ``a[k].t() @ b[k]`` (see :func:`_products`), and of
+    ``acc`` (the sum of its blocks before, see :func:`product_block`): the pair of the
+    factors stacked, ``A.t() @ B`` being that sum, so that one matrix product makes the
+    gradient or adds it to an existing ``.grad`` (``Plan.run_deferred``); after blocks, their
+    sum plus that product. ``grad`` itself where the factors are no plain real matrices of
+    one dtype (the compiler then drops what is not used)."""
+    if acc is False:
+        return grad
+    stacked = _stacked(a, b, acc)
+    if stacked is None:
+        return grad
+    if acc is None:
+        return stacked
+    first, second = stacked
+    return torch.addmm(acc, first.t(), second)
 
 
 # ---- input buffers -----------------------------------------------------------------------
@@ -1048,6 +1078,7 @@ _RUNTIME = {
     "buffer_sum": buffer_sum,
     "retained": retained,
     "product_factors": product_factors,
+    "product_block": product_block,
 }
 
 
@@ -1168,7 +1199,7 @@ def regions(
     if outside:
         edges = (s for s in range(1, len(steps)) if (s in outside) != (s - 1 in outside))
         cuts = sorted({*cuts, *edges})
-    factored = _products(plan, steps, opaque, hooked, absent) if products and saved else {}
+    factored = _products(plan, steps, opaque, hooked, absent, saved) if products and saved else {}
     out = []
     python_hooks = 0
     for start, end in pairwise(cuts):
@@ -1185,7 +1216,7 @@ def regions(
             escapes,
             {m: (first, members, hooked[m][0]) for first, members in unpacks for m in members},
             absent,
-            {s: f for s, f in factored.items() if start <= min(f)[0] and s < end},
+            {s: f for s, f in factored.items() if start <= f[0][0][0] and s < end},
         )
         a, b = (steps[start][6], steps[end - 1][7]) if end > start else (0, 0)
         identity = [
@@ -1227,8 +1258,13 @@ _MATMULS = {"AddmmBackward0": (2, True), "MmBackward0": (1, False)}
 
 
 def _products(
-    plan: _core.Plan, steps: list, opaque: frozenset[int], hooked: dict, absent: frozenset[int]
-) -> dict[int, tuple[tuple[int, int, bool], ...]]:
+    plan: _core.Plan,
+    steps: list,
+    opaque: frozenset[int],
+    hooked: dict,
+    absent: frozenset[int],
+    saved: Sequence[Any],
+) -> dict[int, tuple[tuple[tuple[int, int, bool], ...], ...]]:
     """The AccumulateGrad steps whose gradient is a matrix product or a sum of them:
     ``{step: ((matmul step, saved slot of mat1, transposed), ...)}``, one per gradient that
     arrives. Such a weight is ``mat2`` of ``mm`` or ``addmm`` (with ``alpha`` 1), or its
@@ -1238,7 +1274,17 @@ def _products(
     :func:`product_factors`): one matrix product makes the gradient, or adds it to an
     existing ``.grad`` with ``addmm_``, a pass over the weight where eager makes two per
     product (the product, then the add; inductor's graph likewise). The steps on the way run
-    nothing else: traced, without hooks or captures."""
+    nothing else: traced, without hooks or captures.
+
+    The factors held for a weight take no more memory than its gradient (which eager holds
+    from its first product on), at the sizes of this plan: its products are split into
+    blocks of that many rows, ``{step: (block, ...)}``, each a tuple of
+    ``(matmul step, saved slot of mat1, transposed)`` in step order. The blocks but the last
+    are added up in the graph, each as one matrix product once its last factor arrived (see
+    :func:`product_block`), the last is the one the replay hands back (or adds to the sum of
+    the others, :func:`product_factors`). A weight whose one product's factors are larger
+    than its gradient (``nn.Linear`` on more rows than its width), or whose blocks would
+    each hold one product, takes its gradient from its nodes, as in eager."""
     out = {}
     nodes: list | None = None
 
@@ -1268,8 +1314,33 @@ def _products(
             continue
         found = [factors(p, index) for p, index in step[8][0]]
         if all(found):
-            out[s] = tuple(found)
+            nodes = plan.nodes() if nodes is None else nodes
+            blocks = _product_blocks(sorted(found), nodes[s].variable.shape, saved)
+            if blocks:
+                out[s] = blocks
     return out
+
+
+def _product_blocks(
+    uses: list[tuple[int, int, bool]], shape: Sequence[int], saved: Sequence[Any]
+) -> tuple[tuple[tuple[int, int, bool], ...], ...]:
+    """A weight's products (see :func:`_products`) in blocks whose factors take no more
+    memory than its gradient (of ``shape``; the factors of a product take ``rows * (shape[0]
+    + shape[1])`` elements, ``mat1`` giving the rows), or () where that gains nothing."""
+    rows, cols = shape
+    blocks: list[list[tuple[int, int, bool]]] = []
+    held = rows * cols + 1
+    for use in uses:
+        mat1 = saved[use[1]]
+        size = mat1.shape[0] * (rows + cols)
+        if held + size > rows * cols:
+            blocks.append([])
+            held = 0
+        blocks[-1].append(use)
+        held += size
+    if held > rows * cols if len(blocks) == 1 else all(len(block) == 1 for block in blocks):
+        return ()
+    return tuple(tuple(block) for block in blocks)
 
 
 def _plain_traced(step: tuple, s: int, opaque: frozenset[int]) -> bool:
@@ -1385,7 +1456,14 @@ def _region_source(
     """
     unpacked = unpacked or {}
     products = products or {}
-    factors = {p for sources in products.values() for p, _, _ in sources}
+    factors = {p for blocks in products.values() for block in blocks for p, _, _ in block}
+    # The matmul steps that complete a block added up in the graph: its weight's step, the
+    # block, and whether a block came before it.
+    flushes = {
+        block[-1][0]: (w, block, n > 0)
+        for w, blocks in products.items()
+        for n, block in enumerate(blocks[:-1])
+    }
     groups: dict[int, str] = {}
     where = ("" if escapes else "_in_graph") if hooks_in_graph else "_outside"
     incoming: dict[tuple[int, int], int] = {}
@@ -1443,6 +1521,17 @@ def _region_source(
             return f"saved[{a - saved_base}:{b - saved_base}]"
         values = ("None" if x in absent else f"saved[{x - saved_base}]" for x in range(a, b))
         return f"[{', '.join(values)}]"
+
+    def stacks(block: tuple[tuple[int, int, bool], ...]) -> tuple[str, str, str]:
+        """The factors of a block of products (see _products), ``a`` and ``b`` (the product
+        is ``a[k].t() @ b[k]``), and the names of its gradients."""
+        pairs, grads = [], []
+        for p, slot, transposed in block:
+            grad, mat1 = f"f{p - start}", f"saved[{slot - saved_base}]"
+            pairs.append((grad, mat1) if transposed else (mat1, grad))
+            grads.append(grad)
+        a, b = (f"({', '.join(side)},)" for side in zip(*pairs))
+        return a, b, ", ".join(grads)
 
     body = []
     exports: list[tuple[int, int]] = []
@@ -1509,6 +1598,12 @@ def _region_source(
             if s in factors:
                 # Its gradient is a factor of a weight's gradient (see _products).
                 body.append(f"f{k} = i[0]")
+            if s in flushes:
+                w, block, more = flushes[s]
+                a, b, grads = stacks(block)
+                acc = f"w{w - start}" if more else "None"
+                body.append(f"w{w - start} = product_block({acc}, {a}, {b})")
+                body.append(f"del {grads}")
             if escapes and steps[s][1] == "python_function":
                 body.append(f"o{k} = apply_function(deferred, {k}, i, {saved_k}{lifted})")
             else:
@@ -1528,14 +1623,13 @@ def _region_source(
             body.append(f"o{k} = {run}(deferred, {k}, i, {not post})")
         elif mode == "deferred_accumulate" and s in products:
             assert (s, -1) in effects
-            pairs, grads = [], []
-            for p, slot, transposed in products[s]:
-                grad, mat1 = f"f{p - start}", f"saved[{slot - saved_base}]"
-                pairs.append((grad, mat1) if transposed else (mat1, grad))
-                grads.append(grad)
-            a, b = (f"({', '.join(side)},)" for side in zip(*pairs))
-            body.append(f"deferred.append(product_factors(i[0], {a}, {b}))")
-            body.append(f"del {', '.join(grads)}")
+            a, b, grads = stacks(products[s][-1])
+            if len(products[s]) > 1:
+                body.append(f"deferred.append(product_factors(i[0], {a}, {b}, w{k}))")
+                body.append(f"del w{k}, {grads}")
+            else:
+                body.append(f"deferred.append(product_factors(i[0], {a}, {b}))")
+                body.append(f"del {grads}")
         elif mode == "deferred_accumulate":
             assert (s, -1) in effects
             body.append("deferred.append(i[0])")
