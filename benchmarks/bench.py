@@ -29,6 +29,10 @@ the calling thread, which other load on the machine distorts less). Ratios compa
 "peak MB" is the most resident memory a steady-state backward call added: the kernel's RSS
 high-water mark is reset (``/proc/self/clear_refs``) right before the call and read after
 it. It sees pages newly touched, not memory malloc reuses, so it is an approximation.
+"alloc MB" is the most memory a steady-state call had allocated at once, over what was
+allocated before it, as torch's profiler reports its CPU allocator's allocations during one
+more call (``profile_memory=True``); freeing what existed before the call (saved tensors
+released as a backward goes) does not count, so it is the peak of the call's own tensors.
 "compiles" counts compiled-autograd captures or replaygrad cache misses, plus, where it
 differs, the graphs Dynamo handed to the backend. In the inductor cells each call is also
 split in two: the time inside inductor's compiled graphs (``CompiledFxGraph.__call__``,
@@ -282,6 +286,28 @@ def backward_once(
     return wall, cpu, peak_mb(rss)
 
 
+def alloc_peak_mb(wl: Workload, context: Callable[[], AbstractContextManager[Any]]) -> float:
+    """The MB the tensors allocated during one backward call of ``wl`` took at their most,
+    as torch's profiler reports the CPU allocator's allocations and frees (``[memory]``
+    events, whose running total counts from the profile's start)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for p in wl.params:
+        p.grad = None
+    loss = wl.forward()
+    with context(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss.backward()
+    with tempfile.TemporaryDirectory() as scratch:
+        trace = Path(scratch) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+    if not memory:
+        return 0.0
+    start = memory[0]["args"]["Total Allocated"] - memory[0]["args"]["Bytes"]
+    return (max(e["args"]["Total Allocated"] for e in memory) - start) / 2**20
+
+
 def emit(record: dict[str, Any]) -> None:
     print(MARK + json.dumps(record), flush=True)
 
@@ -328,6 +354,7 @@ def run_cell(workload: str, system: str, iters: int, budget: float) -> None:
         if system.startswith("rg_"):
             record["deferred_ms"] = DeferredTimer.median_ms(wl, context, min(len(times), 10))
     record["peak_mb"] = max(peaks) if peaks else None
+    record["alloc_mb"] = alloc_peak_mb(wl, context)
     if system == "eager":
         record["nodes"] = len(_core.plan((wl.forward(),)).order())
         record["plan_us"] = time_planner(lambda loss: _core.plan((loss,)), wl, len(times))
@@ -528,8 +555,8 @@ def workload_table(cells: dict[str, dict[str, Any]], cap: float) -> list[str]:
     """The markdown rows of one workload's table."""
     lines = [
         "| system | first call (s) | compiles | median ms | min ms | mean ms | CPU ms | peak MB "
-        "| first-call peak MB | vs eager | vs torch CA |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| alloc MB | first-call peak MB | vs eager | vs torch CA |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     eager = _median(cells, "eager")
     for system, cell in cells.items():
@@ -551,6 +578,7 @@ def workload_table(cells: dict[str, dict[str, Any]], cap: float) -> list[str]:
             _figure(cell, "mean_ms", cap, 3),
             _figure(cell, "cpu_ms", cap, 3),
             _figure(cell, "peak_mb", cap, 1),
+            _figure(cell, "alloc_mb", cap, 2),
             _figure(cell, "first_peak_mb", cap, 1),
             _ratio(median, eager) if system != "eager" else "1.00x",
             vs_ca,
@@ -617,7 +645,8 @@ TABLE_NOTE = (
     "or replaygrad cache misses, and in parentheses the graphs Dynamo compiled where that "
     "differs. median/min/mean ms: wall time (the mean includes the cycle collector's pauses); "
     "CPU ms: median CPU time of the calling thread. peak "
-    "MB: most resident memory a steady-state call added (first-call peak: the first call). "
+    "MB: most resident memory a steady-state call added (first-call peak: the first call); "
+    "alloc MB: most memory its tensors took at once (torch's profiler, one more call). "
     "vs eager, vs torch CA (same backend): ratios of medians. > cap: killed at the cap; "
     "error: see Errors."
 )
