@@ -1265,26 +1265,24 @@ def _products(
     absent: frozenset[int],
     saved: Sequence[Any],
 ) -> dict[int, tuple[tuple[tuple[int, int, bool], ...], ...]]:
-    """The AccumulateGrad steps whose gradient is a matrix product or a sum of them:
-    ``{step: ((matmul step, saved slot of mat1, transposed), ...)}``, one per gradient that
-    arrives. Such a weight is ``mat2`` of ``mm`` or ``addmm`` (with ``alpha`` 1), or its
-    transpose (``nn.Linear``'s ``addmm(b, x, W.t())``), and its gradient ``mat1.t() @ grad``
-    (``grad.t() @ mat1`` transposed); used in several products (an unrolled RNN's), the sum
-    of theirs is one product of the factors stacked. The replay hands back the factors (see
-    :func:`product_factors`): one matrix product makes the gradient, or adds it to an
-    existing ``.grad`` with ``addmm_``, a pass over the weight where eager makes two per
-    product (the product, then the add; inductor's graph likewise). The steps on the way run
-    nothing else: traced, without hooks or captures.
+    """The AccumulateGrad steps whose gradient is a matrix product or a sum of them, each
+    with its products: ``{step: (block, ...)}``, a block being a tuple of ``(matmul step,
+    saved slot of mat1, transposed)`` in step order (see below). Such a weight is ``mat2``
+    of ``mm`` or ``addmm`` (with ``alpha`` 1), or its transpose (``nn.Linear``'s ``addmm(b,
+    x, W.t())``), and its gradient ``mat1.t() @ grad`` (``grad.t() @ mat1`` transposed);
+    used in several products (an unrolled RNN's), the sum of theirs is one product of the
+    factors stacked. The replay hands back the factors (see :func:`product_factors`): one
+    matrix product makes the gradient, or adds it to an existing ``.grad`` with ``addmm_``,
+    a pass over the weight where eager makes two per product (the product, then the add;
+    inductor's graph likewise). The steps on the way run nothing else: traced, without
+    hooks or captures.
 
     The factors held for a weight take no more memory than its gradient (which eager holds
     from its first product on), at the sizes of this plan: its products are split into
-    blocks of that many rows, ``{step: (block, ...)}``, each a tuple of
-    ``(matmul step, saved slot of mat1, transposed)`` in step order. The blocks but the last
-    are added up in the graph, each as one matrix product once its last factor arrived (see
-    :func:`product_block`), the last is the one the replay hands back (or adds to the sum of
-    the others, :func:`product_factors`). A weight whose one product's factors are larger
-    than its gradient (``nn.Linear`` on more rows than its width), or whose blocks would
-    each hold one product, takes its gradient from its nodes, as in eager."""
+    blocks of that size (:func:`_product_blocks`). The blocks but the last are added up in
+    the graph, each as one matrix product once its last factor arrived (see
+    :func:`product_block`); the last is the one the replay hands back, or adds to the sum of
+    the others (:func:`product_factors`)."""
     out = {}
     nodes: list | None = None
 
@@ -1325,20 +1323,21 @@ def _product_blocks(
     uses: list[tuple[int, int, bool]], shape: Sequence[int], saved: Sequence[Any]
 ) -> tuple[tuple[tuple[int, int, bool], ...], ...]:
     """A weight's products (see :func:`_products`) in blocks whose factors take no more
-    memory than its gradient (of ``shape``; the factors of a product take ``rows * (shape[0]
-    + shape[1])`` elements, ``mat1`` giving the rows), or () where that gains nothing."""
-    rows, cols = shape
+    memory than the gradient (``shape``): a product's take ``rows * (shape[0] + shape[1])``
+    elements, its ``mat1`` (in ``saved``) having the rows. () where that gains nothing: a
+    weight with one product whose factors are larger than its gradient (a square
+    ``nn.Linear`` on more rows than half its width), or with blocks of one product each."""
+    budget = shape[0] * shape[1]
     blocks: list[list[tuple[int, int, bool]]] = []
-    held = rows * cols + 1
+    held = 0
     for use in uses:
-        mat1 = saved[use[1]]
-        size = mat1.shape[0] * (rows + cols)
-        if held + size > rows * cols:
+        size = saved[use[1]].shape[0] * (shape[0] + shape[1])
+        if not blocks or held + size > budget:
             blocks.append([])
             held = 0
         blocks[-1].append(use)
         held += size
-    if held > rows * cols if len(blocks) == 1 else all(len(block) == 1 for block in blocks):
+    if held > budget if len(blocks) == 1 else all(len(block) == 1 for block in blocks):
         return ()
     return tuple(tuple(block) for block in blocks)
 
