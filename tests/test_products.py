@@ -312,10 +312,38 @@ def test_blocks_hold_no_more_than_the_gradient():
     # Products of 2, 2, 4 and 1 rows: factors of 16 elements a row on a weight of 6 x 10 (60
     # elements), 20 on one of 10 x 10.
     rows = [torch.empty(2, 10), torch.empty(2, 10), torch.empty(4, 10), torch.empty(1, 10)]
-    uses = [(s, s, False) for s in range(4)]
+    uses = [(s, s, False, s) for s in range(4)]  # (matmul step, slot, transposed, source)
     assert _product_blocks(uses, (6, 10), rows) == ()  # each alone: nothing gained
     assert _product_blocks(uses[:3], (10, 10), rows) == ((uses[0], uses[1]), (uses[2],))
     assert _product_blocks(uses[:1], (6, 10), rows) == ((uses[0],),)
     assert _product_blocks(uses[2:3], (6, 10), rows) == ()
     assert _product_blocks(uses, (10, 10), rows) == ((uses[0], uses[1]), (uses[2], uses[3]))
     assert _product_blocks(uses[:2], (6, 10), rows) == ()
+
+
+@pytest.mark.parametrize(("region", "compiler"), [(7, aot), (20, aot), (60, aot), (20, "inductor")])
+def test_products_across_regions(region, compiler):
+    # An unrolled cell split into regions: each region sends the products it made on to the
+    # next (what came before plus its own, one matrix product), and the last region's go
+    # into the accumulation.
+    def make():
+        return torch.nn.GRUCell(16, 16)
+
+    xs = torch.randn(30, 3, 16)
+
+    def step(cell):
+        h = torch.zeros(3, 16)
+        for x in xs:
+            h = cell(x, h)
+        h.square().sum().backward()
+
+    prior = cache.region_size
+    replaygrad.set_region_size(region)
+    try:
+        run_both(make, step, compiler)
+    finally:
+        replaygrad.set_region_size(prior)
+    (source,) = replay_sources()
+    assert source.count("def region") > 1
+    assert source.count("product_sum(") > 0
+    assert factored(source) == 2

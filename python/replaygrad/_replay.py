@@ -923,7 +923,7 @@ def retained(grad: Any) -> Any:
 
 
 def _stacked(a: tuple, b: tuple, acc: Any) -> tuple[Any, Any] | None:
-    """The factors of :func:`product_factors` and :func:`product_block` stacked, ``A.t() @
+    """The factors of :func:`product_factors` and :func:`product_sum` stacked, ``A.t() @
     B`` being the sum of the products ``a[k].t() @ b[k]``; None where they are no plain real
     matrices of one dtype (that of ``acc``, the sum so far, if any). Traced, the choice is
     guarded like any other branch on a tensor's type."""
@@ -942,37 +942,45 @@ def _stacked(a: tuple, b: tuple, acc: Any) -> tuple[Any, Any] | None:
     return (a[0], b[0]) if len(a) == 1 else (torch.cat(a), torch.cat(b))
 
 
-def product_block(acc: Any, a: tuple, b: tuple) -> Any:
-    """A block of a weight's products (see :func:`_products`) added up in the graph: ``acc``
-    (the blocks before, None for the first) plus the sum of ``a[k].t() @ b[k]``, as one
-    matrix product of the factors stacked; False where they are no plain matrices (the
-    weight then takes the gradient its nodes form, see :func:`product_factors`)."""
+def product_sum(grad: Any, a: tuple, b: tuple, acc: Any = None, prior: Any = None) -> Any:
+    """A weight's gradient from its products (see :func:`_products`), as one tensor: what
+    arrived before the region (``prior``), plus the sum of its blocks before (``acc``, see
+    :func:`product_block`), plus the sum of ``a[k].t() @ b[k]``, that one matrix product of
+    the factors stacked. ``grad`` (the sum its nodes form) where the factors are no plain
+    real matrices of one dtype, or ``prior`` no dense tensor of theirs."""
     if acc is False:
-        return False
+        return grad
     stacked = _stacked(a, b, acc)
     if stacked is None:
-        return False
+        return grad
     first, second = stacked
+    if prior is not None:
+        if prior.layout != torch.strided or prior.dtype != first.dtype:
+            return grad
+        acc = prior if acc is None else prior + acc
     return first.t() @ second if acc is None else torch.addmm(acc, first.t(), second)
 
 
-def product_factors(grad: Any, a: tuple, b: tuple, acc: Any = None) -> Any:
+def product_block(acc: Any, a: tuple, b: tuple) -> Any:
+    """A block of a weight's products added up in the graph once its last factor arrived:
+    ``acc`` (the blocks before, None for the first) plus the sum of ``a[k].t() @ b[k]`` (see
+    :func:`product_sum`); False where the factors are no plain matrices, and after that (the
+    weight then takes the gradient its nodes form)."""
+    return product_sum(False, a, b, acc)
+
+
+def product_factors(grad: Any, a: tuple, b: tuple, acc: Any = None, prior: Any = None) -> Any:
     """What a compiled replay hands back for the AccumulateGrad of a weight whose gradient
     ``grad`` is the sum of the products ``a[k].t() @ b[k]`` (see :func:`_products`), and of
-    ``acc`` (the sum of its blocks before, see :func:`product_block`): the pair of the
+    ``acc`` and ``prior`` (see :func:`product_sum`): where these are None, the pair of the
     factors stacked, ``A.t() @ B`` being that sum, so that one matrix product makes the
-    gradient or adds it to an existing ``.grad`` (``Plan.run_deferred``); after blocks, their
-    sum plus that product. ``grad`` itself where the factors are no plain real matrices of
-    one dtype (the compiler then drops what is not used)."""
-    if acc is False:
-        return grad
-    stacked = _stacked(a, b, acc)
-    if stacked is None:
-        return grad
-    if acc is None:
-        return stacked
-    first, second = stacked
-    return torch.addmm(acc, first.t(), second)
+    gradient or adds it to an existing ``.grad`` (``Plan.run_deferred``); else the sum
+    itself. ``grad`` where the factors are no plain real matrices of one dtype (the compiler
+    then drops what is not used)."""
+    if acc is not None or prior is not None:
+        return product_sum(grad, a, b, acc, prior)
+    stacked = _stacked(a, b, None)
+    return grad if stacked is None else stacked
 
 
 # ---- input buffers -----------------------------------------------------------------------
@@ -1079,6 +1087,7 @@ _RUNTIME = {
     "retained": retained,
     "product_factors": product_factors,
     "product_block": product_block,
+    "product_sum": product_sum,
 }
 
 
@@ -1216,7 +1225,7 @@ def regions(
             escapes,
             {m: (first, members, hooked[m][0]) for first, members in unpacks for m in members},
             absent,
-            {s: f for s, f in factored.items() if start <= f[0][0][0] and s < end},
+            _region_products(factored, steps, saved, start, end),
         )
         a, b = (steps[start][6], steps[end - 1][7]) if end > start else (0, 0)
         identity = [
@@ -1264,30 +1273,32 @@ def _products(
     hooked: dict,
     absent: frozenset[int],
     saved: Sequence[Any],
-) -> dict[int, tuple[tuple[tuple[int, int, bool], ...], ...]]:
-    """The AccumulateGrad steps whose gradient is a matrix product or a sum of them, each
-    with its products: ``{step: (block, ...)}``, a block being a tuple of ``(matmul step,
-    saved slot of mat1, transposed)`` in step order (see below). Such a weight is ``mat2``
-    of ``mm`` or ``addmm`` (with ``alpha`` 1), or its transpose (``nn.Linear``'s ``addmm(b,
-    x, W.t())``), and its gradient ``mat1.t() @ grad`` (``grad.t() @ mat1`` transposed);
-    used in several products (an unrolled RNN's), the sum of theirs is one product of the
-    factors stacked. The replay hands back the factors (see :func:`product_factors`): one
-    matrix product makes the gradient, or adds it to an existing ``.grad`` with ``addmm_``,
-    a pass over the weight where eager makes two per product (the product, then the add;
-    inductor's graph likewise). The steps on the way run nothing else: traced, without
-    hooks or captures.
+) -> dict[int, tuple[tuple[int, ...], tuple[tuple[int, int, bool, int], ...]]]:
+    """The AccumulateGrad steps whose gradient is a matrix product or a sum of them:
+    ``{step: (weight's shape, products)}``, a product being ``(matmul step, saved slot of
+    mat1, transposed, the step its gradient arrives from)``, in step order. Such a weight is
+    ``mat2`` of ``mm`` or ``addmm`` (with ``alpha`` 1), or its transpose (``nn.Linear``'s
+    ``addmm(b, x, W.t())``), and its gradient ``mat1.t() @ grad`` (``grad.t() @ mat1``
+    transposed); used in several products (an unrolled RNN's), the sum of theirs is one
+    product of the factors stacked. The replay hands back the factors (see
+    :func:`product_factors`): one matrix product makes the gradient, or adds it to an
+    existing ``.grad`` with ``addmm_``, a pass over the weight where eager makes two per
+    product (the product, then the add; inductor's graph likewise). The steps on the way run
+    nothing else: traced, without hooks or captures.
 
     The factors held for a weight take no more memory than its gradient (which eager holds
-    from its first product on), at the sizes of this plan: its products are split into
-    blocks of that size (:func:`_product_blocks`). The blocks but the last are added up in
-    the graph, each as one matrix product once its last factor arrived (see
-    :func:`product_block`); the last is the one the replay hands back, or adds to the sum of
-    the others (:func:`product_factors`)."""
+    from its first product on), at the sizes of this plan: each region takes its products
+    in blocks of that size (:func:`_region_products`). The blocks but the last are added up
+    in the graph, each as one matrix product once its last factor arrived (see
+    :func:`product_block`); the last is added to them and sent on to a later region (see
+    :func:`product_sum`), or the one the replay hands back (or adds to the others,
+    :func:`product_factors`)."""
     out = {}
     nodes: list | None = None
 
-    def factors(p: int, index: int) -> tuple[int, int, bool] | None:
+    def factors(p: int, index: int) -> tuple[int, int, bool, int] | None:
         nonlocal nodes
+        source = p
         transposed = p >= 0 and steps[p][0] == "TBackward0"
         if transposed:
             if not _plain_traced(steps[p], p, opaque) or len(steps[p][8][0]) != 1:
@@ -1305,7 +1316,7 @@ def _products(
             nodes = plan.nodes() if nodes is None else nodes
             if nodes[p]._saved_alpha != 1:
                 return None
-        return p, mat1, transposed
+        return p, mat1, transposed, source
 
     for s, step in enumerate(steps):
         if step[2] != "deferred_accumulate" or step[10] or step[11] or not step[8][0]:
@@ -1313,22 +1324,41 @@ def _products(
         found = [factors(p, index) for p, index in step[8][0]]
         if all(found):
             nodes = plan.nodes() if nodes is None else nodes
-            blocks = _product_blocks(sorted(found), nodes[s].variable.shape, saved)
-            if blocks:
-                out[s] = blocks
+            out[s] = (tuple(nodes[s].variable.shape), tuple(sorted(found)))
+    return out
+
+
+def _region_products(
+    factored: dict, steps: list, saved: Sequence[Any], start: int, end: int
+) -> dict[int, tuple[tuple[tuple[int, int, bool, int], ...], ...]]:
+    """The products (see :func:`_products`) region ``start..end`` makes, in blocks (see
+    :func:`_product_blocks`), by the weight's AccumulateGrad step (in the region or a
+    later one): of the weights whose every gradient arriving in the region comes from a
+    product made in it."""
+    out = {}
+    for s, (shape, uses) in factored.items():
+        if s < start:
+            continue
+        local = [use for use in uses if start <= use[0] < end]
+        arriving = sum(start <= p < end for p, _ in steps[s][8][0])
+        if not local or len(local) != arriving or not all(start <= u[3] < end for u in local):
+            continue
+        blocks = _product_blocks(local, shape, saved)
+        if blocks:
+            out[s] = blocks
     return out
 
 
 def _product_blocks(
-    uses: list[tuple[int, int, bool]], shape: Sequence[int], saved: Sequence[Any]
-) -> tuple[tuple[tuple[int, int, bool], ...], ...]:
+    uses: Sequence[tuple[int, int, bool, int]], shape: Sequence[int], saved: Sequence[Any]
+) -> tuple[tuple[tuple[int, int, bool, int], ...], ...]:
     """A weight's products (see :func:`_products`) in blocks whose factors take no more
     memory than the gradient (``shape``): a product's take ``rows * (shape[0] + shape[1])``
     elements, its ``mat1`` (in ``saved``) having the rows. () where that gains nothing: a
     weight with one product whose factors are larger than its gradient (a square
     ``nn.Linear`` on more rows than half its width), or with blocks of one product each."""
     budget = shape[0] * shape[1]
-    blocks: list[list[tuple[int, int, bool]]] = []
+    blocks: list[list[tuple[int, int, bool, int]]] = []
     held = 0
     for use in uses:
         size = saved[use[1]].shape[0] * (shape[0] + shape[1])
@@ -1423,7 +1453,7 @@ def _region_source(
     escapes: bool = True,
     unpacked: dict[int, tuple[int, tuple[int, ...], int]] | None = None,
     absent: frozenset[int] = frozenset(),
-    products: dict[int, tuple[tuple[int, int, bool], ...]] | None = None,
+    products: dict[int, tuple[tuple[tuple[int, int, bool, int], ...], ...]] | None = None,
 ) -> tuple[str, tuple, tuple, tuple, int]:
     """Straight-line source for ``region(inc, saved, sizes, hooks, deferred)``, one block per step
     as engine.cpp runs it, and its interface: the incoming and exported input buffers (as
@@ -1455,7 +1485,7 @@ def _region_source(
     """
     unpacked = unpacked or {}
     products = products or {}
-    factors = {p for blocks in products.values() for block in blocks for p, _, _ in block}
+    factors = {use[0] for blocks in products.values() for block in blocks for use in block}
     # The matmul steps that complete a block added up in the graph: its weight's step, the
     # block, and whether a block came before it.
     flushes = {
@@ -1463,6 +1493,8 @@ def _region_source(
         for w, blocks in products.items()
         for n, block in enumerate(blocks[:-1])
     }
+    # Their sums by weight, named in order (not by step), so that regions alike share a key.
+    sums = {w: f"w{n}" for n, w in enumerate(sorted(products))}
     groups: dict[int, str] = {}
     where = ("" if escapes else "_in_graph") if hooks_in_graph else "_outside"
     incoming: dict[tuple[int, int], int] = {}
@@ -1521,11 +1553,11 @@ def _region_source(
         values = ("None" if x in absent else f"saved[{x - saved_base}]" for x in range(a, b))
         return f"[{', '.join(values)}]"
 
-    def stacks(block: tuple[tuple[int, int, bool], ...]) -> tuple[str, str, str]:
+    def stacks(block: tuple[tuple[int, int, bool, int], ...]) -> tuple[str, str, str]:
         """The factors of a block of products (see _products), ``a`` and ``b`` (the product
         is ``a[k].t() @ b[k]``), and the names of its gradients."""
         pairs, grads = [], []
-        for p, slot, transposed in block:
+        for p, slot, transposed, _ in block:
             grad, mat1 = f"f{p - start}", f"saved[{slot - saved_base}]"
             pairs.append((grad, mat1) if transposed else (mat1, grad))
             grads.append(grad)
@@ -1600,8 +1632,8 @@ def _region_source(
             if s in flushes:
                 w, block, more = flushes[s]
                 a, b, grads = stacks(block)
-                acc = f"w{w - start}" if more else "None"
-                body.append(f"w{w - start} = product_block({acc}, {a}, {b})")
+                acc = sums[w] if more else "None"
+                body.append(f"{sums[w]} = product_block({acc}, {a}, {b})")
                 body.append(f"del {grads}")
             if escapes and steps[s][1] == "python_function":
                 body.append(f"o{k} = apply_function(deferred, {k}, i, {saved_k}{lifted})")
@@ -1623,12 +1655,10 @@ def _region_source(
         elif mode == "deferred_accumulate" and s in products:
             assert (s, -1) in effects
             a, b, grads = stacks(products[s][-1])
-            if len(products[s]) > 1:
-                body.append(f"deferred.append(product_factors(i[0], {a}, {b}, w{k}))")
-                body.append(f"del w{k}, {grads}")
-            else:
-                body.append(f"deferred.append(product_factors(i[0], {a}, {b}))")
-                body.append(f"del {grads}")
+            acc = sums[s] if len(products[s]) > 1 else "None"
+            prior = (before(s, 0) or ["None"])[0]
+            body.append(f"deferred.append(product_factors(i[0], {a}, {b}, {acc}, {prior}))")
+            body.append(f"del {grads}" + (f", {acc}" if acc != "None" else ""))
         elif mode == "deferred_accumulate":
             assert (s, -1) in effects
             body.append("deferred.append(i[0])")
@@ -1663,6 +1693,16 @@ def _region_source(
         dead = [f"o{p - start}" for p in dying.get(s, ())]
         if dead:
             body.append(f"del {', '.join(dead)}")
+    for w, blocks in products.items():
+        if w >= end:
+            # Sent on to a later region's accumulation: the products, not the sum their
+            # nodes formed (which the compiler then drops).
+            a, b, grads = stacks(blocks[-1])
+            acc = sums[w] if len(blocks) > 1 else "None"
+            prior = (before(w, 0) or ["None"])[0]
+            sent = partial[(w, 0)]
+            body.append(f"{sent} = product_sum({sent}, {a}, {b}, {acc}, {prior})")
+            body.append(f"del {grads}" + (f", {acc}" if acc != "None" else ""))
     returned = "".join(f"{partial[target]}, " for target in exports)
     lines = [
         "def region(inc, saved, sizes, hooks, deferred):",
