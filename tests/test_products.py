@@ -246,24 +246,27 @@ def test_a_batch_of_sequences_through_linear_layers():
     assert factored(source) == 2
 
 
-@pytest.mark.parametrize("compiler", FACTORING)
-def test_an_unrolled_cells_weights_take_one_product(compiler):
-    # Each weight of the cell is in one addmm per step: their gradients' sum is one product
-    # of the steps' factors stacked.
-    def make():
-        return torch.nn.GRUCell(16, 16)
-
-    xs = torch.randn(4, 2, 16)
+def unrolled_cell(steps: int, rows: int, compiler) -> str:
+    """Compares a GRUCell(16, 16) unrolled ``steps`` steps over ``rows`` rows with eager (see
+    :func:`run_both`); the replay's source."""
+    xs = torch.randn(steps, rows, 16)
 
     def step(cell):
-        h = torch.zeros(2, 16)
+        h = torch.zeros(rows, 16)
         for x in xs:
             h = cell(x, h)
         h.square().sum().backward()
 
-    run_both(make, step, compiler)
+    run_both(lambda: torch.nn.GRUCell(16, 16), step, compiler)
     (source,) = replay_sources()
-    assert factored(source) == 2
+    return source
+
+
+@pytest.mark.parametrize("compiler", FACTORING)
+def test_an_unrolled_cells_weights_take_one_product(compiler):
+    # Each weight of the cell is in one addmm per step: their gradients' sum is one product
+    # of the steps' factors stacked.
+    assert factored(unrolled_cell(4, 2, compiler)) == 2
 
 
 def test_a_weight_in_a_product_and_elsewhere_is_not_factored():
@@ -282,19 +285,7 @@ def test_a_long_unrolled_cell_adds_blocks_of_products_up_in_the_graph(compiler):
     # Each step's factors of a weight take 3 * (48 + 16) elements, its gradient 48 * 16: four
     # steps' fit. Of ten steps, the first eight are added up in the graph in two blocks as
     # they arrive, the last two's product added to that sum.
-    def make():
-        return torch.nn.GRUCell(16, 16)
-
-    xs = torch.randn(10, 3, 16)
-
-    def step(cell):
-        h = torch.zeros(3, 16)
-        for x in xs:
-            h = cell(x, h)
-        h.square().sum().backward()
-
-    run_both(make, step, compiler)
-    (source,) = replay_sources()
+    source = unrolled_cell(10, 3, compiler)
     assert (factored(source), blocks(source)) == (2, 4)
 
 
@@ -326,24 +317,12 @@ def test_products_across_regions(region, compiler):
     # An unrolled cell split into regions: each region sends the products it made on to the
     # next (what came before plus its own, one matrix product), and the last region's go
     # into the accumulation.
-    def make():
-        return torch.nn.GRUCell(16, 16)
-
-    xs = torch.randn(30, 3, 16)
-
-    def step(cell):
-        h = torch.zeros(3, 16)
-        for x in xs:
-            h = cell(x, h)
-        h.square().sum().backward()
-
     prior = cache.region_size
     replaygrad.set_region_size(region)
     try:
-        run_both(make, step, compiler)
+        source = unrolled_cell(30, 3, compiler)
     finally:
         replaygrad.set_region_size(prior)
-    (source,) = replay_sources()
     assert source.count("def region") > 1
     assert source.count("product_sum(") > 0
     assert factored(source) == 2
