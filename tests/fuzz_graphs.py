@@ -744,6 +744,16 @@ def _linear(b, i, j, bias):
     return [torch.nn.functional.linear(b.env[i], w, w[:, 0] if bias else None)]
 
 
+@_op("linear_row", _gen_linear, saves_inputs=True)
+def _linear_row(b, i, j, bias):
+    """``linear`` on the input's first row only: a product's factors smaller than the
+    weight's gradient, which compiled replays take as factors (a weight whose one product's
+    factors are larger is formed by its nodes); a weight in several, in blocks."""
+    w = b.env[j]
+    row = b.env[i].reshape(-1, w.shape[1])[:1]
+    return [torch.nn.functional.linear(row, w, w[:, 0] if bias else None)]
+
+
 @_op("matmul_self_t", lambda draw, state: _gen_nd_exact(draw, state, 2), saves_inputs=True)
 def _matmul_self_t(b, i):
     x = b.env[i]
@@ -1312,6 +1322,7 @@ WEIGHTS: dict[str, int] = {
     **dict.fromkeys(("tensor_hook", "prehook", "posthook", "retain_grad"), 12),
     "post_acc_hook": 8,
     "linear": 8,
+    "linear_row": 8,
     **dict.fromkeys(INPLACE, 8),
     **dict.fromkeys(
         ("fn_mul_saved", "fn_none_for_second", "fn_no_materialize", "fn_non_differentiable"), 8
