@@ -246,18 +246,21 @@ def test_a_batch_of_sequences_through_linear_layers():
     assert factored(source) == 2
 
 
-def unrolled_cell(steps: int, rows: int, compiler) -> str:
-    """Compares a GRUCell(16, 16) unrolled ``steps`` steps over ``rows`` rows with eager (see
-    :func:`run_both`); the replay's source."""
-    xs = torch.randn(steps, rows, 16)
+def unrolled_cell(steps: int, rows: int | list[int], compiler) -> str:
+    """Compares a GRUCell(16, 16) unrolled ``steps`` steps over ``rows`` rows (a list: per
+    call) with eager (see :func:`run_both`); the replay's source."""
+    batches = rows if isinstance(rows, list) else [rows] * 3
+    # run_both steps the eager model, then replaygrad's: each batch twice.
+    inputs = iter([xs for b in batches for xs in [torch.randn(steps, b, 16)] * 2])
 
     def step(cell):
-        h = torch.zeros(rows, 16)
+        xs = next(inputs)
+        h = torch.zeros(xs.shape[1], 16)
         for x in xs:
             h = cell(x, h)
         h.square().sum().backward()
 
-    run_both(lambda: torch.nn.GRUCell(16, 16), step, compiler)
+    run_both(lambda: torch.nn.GRUCell(16, 16), step, compiler, calls=len(batches))
     (source,) = replay_sources()
     return source
 
@@ -312,7 +315,14 @@ def test_blocks_hold_no_more_than_the_gradient():
     assert _product_blocks(uses[:2], (6, 10), rows) == ()
 
 
-@pytest.mark.parametrize(("region", "compiler"), [(7, aot), (20, aot), (60, aot), (20, "inductor")])
+def aot_fullgraph(fn):
+    """aot_eager as a compiler callable that allows no graph break."""
+    return torch.compile(fn, backend="aot_eager", fullgraph=True)
+
+
+@pytest.mark.parametrize(
+    ("region", "compiler"), [(7, aot), (20, aot), (60, aot), (20, "inductor"), (20, aot_fullgraph)]
+)
 def test_products_across_regions(region, compiler):
     # An unrolled cell split into regions: each region sends the products it made on to the
     # next (what came before plus its own, one matrix product), and the last region's go
@@ -326,3 +336,9 @@ def test_products_across_regions(region, compiler):
     assert source.count("def region") > 1
     assert source.count("product_sum(") > 0
     assert factored(source) == 2
+
+
+def test_blocks_are_sized_by_the_first_batch():
+    # Blocks of four steps at 3 rows; other batch sizes (dynamic) keep them.
+    source = unrolled_cell(10, [3, 7, 2, 12], aot)
+    assert (factored(source), blocks(source)) == (2, 4)
