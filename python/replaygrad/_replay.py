@@ -1564,6 +1564,17 @@ def _region_source(
         a, b = (f"({', '.join(side)},)" for side in zip(*pairs))
         return a, b, ", ".join(grads)
 
+    def last_block(w: int) -> tuple[str, str]:
+        """The arguments that take weight ``w``'s last block of products (see
+        :func:`product_sum`): its factors, the sum of its blocks before and what arrived
+        before the region; and what to drop after."""
+        blocks = products[w]
+        a, b, grads = stacks(blocks[-1])
+        prior = (before(w, 0) or ["None"])[0]
+        if len(blocks) == 1:
+            return f"{a}, {b}, None, {prior}", f"del {grads}"
+        return f"{a}, {b}, {sums[w]}, {prior}", f"del {grads}, {sums[w]}"
+
     body = []
     exports: list[tuple[int, int]] = []
     hook = hook_base
@@ -1654,11 +1665,9 @@ def _region_source(
             body.append(f"o{k} = {run}(deferred, {k}, i, {not post})")
         elif mode == "deferred_accumulate" and s in products:
             assert (s, -1) in effects
-            a, b, grads = stacks(products[s][-1])
-            acc = sums[s] if len(products[s]) > 1 else "None"
-            prior = (before(s, 0) or ["None"])[0]
-            body.append(f"deferred.append(product_factors(i[0], {a}, {b}, {acc}, {prior}))")
-            body.append(f"del {grads}" + (f", {acc}" if acc != "None" else ""))
+            args, dropped = last_block(s)
+            body.append(f"deferred.append(product_factors(i[0], {args}))")
+            body.append(dropped)
         elif mode == "deferred_accumulate":
             assert (s, -1) in effects
             body.append("deferred.append(i[0])")
@@ -1693,16 +1702,14 @@ def _region_source(
         dead = [f"o{p - start}" for p in dying.get(s, ())]
         if dead:
             body.append(f"del {', '.join(dead)}")
-    for w, blocks in products.items():
+    for w in products:
         if w >= end:
             # Sent on to a later region's accumulation: the products, not the sum their
             # nodes formed (which the compiler then drops).
-            a, b, grads = stacks(blocks[-1])
-            acc = sums[w] if len(blocks) > 1 else "None"
-            prior = (before(w, 0) or ["None"])[0]
+            args, dropped = last_block(w)
             sent = partial[(w, 0)]
-            body.append(f"{sent} = product_sum({sent}, {a}, {b}, {acc}, {prior})")
-            body.append(f"del {grads}" + (f", {acc}" if acc != "None" else ""))
+            body.append(f"{sent} = product_sum({sent}, {args})")
+            body.append(dropped)
     returned = "".join(f"{partial[target]}, " for target in exports)
     lines = [
         "def region(inc, saved, sizes, hooks, deferred):",
