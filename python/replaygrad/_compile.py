@@ -115,7 +115,11 @@ def check_compiler(compiler: Compiler) -> None:
         )
     if compiler in _known_backends:
         return
-    backends = torch._dynamo.list_backends(exclude_tags=())
+    # The first listing imports the backends' modules, whose module-level code calls torch
+    # functions: not through the torch function modes of a caller (enable() may be entered
+    # inside one), which eager autograd would never show them.
+    with torch._C.DisableTorchFunction():
+        backends = torch._dynamo.list_backends(exclude_tags=())
     if compiler not in backends:
         raise ValueError(
             f"unknown compiler {compiler!r}; torch.compile backends are: {', '.join(backends)}"
