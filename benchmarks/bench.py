@@ -26,9 +26,9 @@ function compiled with the cell's backend, which pays the imports and inductor's
 check that any first ``torch.compile`` of a process pays). Then the first backward is timed
 (compiles included) and its gradients are compared with an eager backward of the same
 forward (``error`` when the largest difference exceeds 1e-3 of the largest eager gradient);
-then up to ``--iters`` backward calls, each on a fresh forward
-graph, are timed alone ("median ms", "min ms": wall time; "CPU ms": the median CPU time of
-the calling thread, which other load on the machine distorts less). Ratios compare medians.
+then up to ``--iters`` backward calls, each on a fresh forward graph, are timed alone
+("median ms", "min ms": wall time; "CPU ms": the median CPU time of the calling thread,
+which other load on the machine distorts less). Ratios compare medians.
 "peak MB" is the most resident memory a steady-state backward call added: the kernel's RSS
 high-water mark is reset (``/proc/self/clear_refs``) right before the call and read after
 it. It sees pages newly touched, not memory malloc reuses, so it is an approximation.

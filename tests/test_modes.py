@@ -58,10 +58,15 @@ def logged_backward(context, mode_type, mode_around_forward: bool):
     x = torch.linspace(-2, 2, 12).reshape(3, 4)
     log: list[str] = []
     mode = mode_type(log)
-    with mode if mode_around_forward else contextlib.nullcontext():
+    outer, inner = (
+        (mode, contextlib.nullcontext())
+        if mode_around_forward
+        else (contextlib.nullcontext(), mode)
+    )
+    with outer:
         loss = SumCos.apply(torch.tanh(x @ w + b).sin() * 2)
         log.append("backward:")
-        with context, contextlib.nullcontext() if mode_around_forward else mode:
+        with context, inner:
             loss.backward()
     return log, (w.grad, b.grad)
 
