@@ -955,6 +955,9 @@ struct rg_collector {
   // The slots that took another wrapped number's value, with their own tensor (its version
   // is checked as the slot's; see rg_collector_first_modified), in slot order.
   std::vector<std::pair<size_t, at::Tensor>> aliases;
+  // The slots whose value a compiled replay takes lifted (see lifted_scalar), with that
+  // tensor (one per value), in slot order.
+  std::vector<std::pair<size_t, at::Tensor>> scalars;
 };
 
 // Runs `call` (hooks, which take the GIL themselves) without the GIL and writes the `count`
@@ -1418,6 +1421,29 @@ static at::Tensor replay_value(const at::Tensor& unpacked) {
   return detached_value(unpacked);
 }
 
+// A 0-dim float64 CPU tensor given to Dynamo is read as a float too (FakeTensorConverter
+// makes a symbol of its item()); when the graph does not use that float, inductor's
+// tensorify_python_scalars pass has Dynamo trace the frame again (TensorifyScalarRestart-
+// Analysis), about a quarter of the first call of a chain of `* 0.9`. Wrapped numbers are
+// such tensors. A compiled replay takes such a value (not requiring grad: its formula may ask)
+// as a 1-element 1-dim tensor sharing its storage and version counter, and indexes it back
+// in the graph.
+static bool liftable_scalar(const at::Tensor& value) {
+  const c10::TensorImpl* impl = value.unsafeGetTensorImpl();
+  return plain_dense(impl) && impl->dim() == 0 && impl->device_type() == c10::kCPU &&
+         impl->dtype() == caffe2::TypeMeta::Make<double>() && !value.requires_grad();
+}
+
+static at::Tensor lifted_scalar(const at::Tensor& value) {
+  auto impl = value.unsafeGetTensorImpl()->shallow_copy_and_detach(
+      torch::autograd::impl::version_counter(value), /*allow_tensor_metadata_change=*/true);
+  impl->set_wrapped_number(false);
+  const int64_t one = 1;
+  impl->set_sizes_and_strides(c10::IntArrayRef(&one, 1), c10::IntArrayRef(&one, 1));
+  impl->set_allow_tensor_metadata_change(false);
+  return at::Tensor(std::move(impl));
+}
+
 rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t* n_saved,
                              const uint8_t** key, size_t* key_len, const int64_t** sizes,
                              size_t* n_sizes, int* lifted, size_t* n_hooked,
@@ -1507,6 +1533,7 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
 
   auto& plain = c->order;
   ordered_slots(unpacked, plain);
+  const size_t scalars_before = c->scalars.size();
   for (const auto& [order, sv] : plain) {
     const TensorArg* arg = unpacked.at(sv);
     at::Tensor value;
@@ -1524,10 +1551,18 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
         if (!value.is_same(source)) {
           c->sources.push_back(source);
         }
+        if (liftable_scalar(value)) {
+          c->scalars.emplace_back(slot, lifted_scalar(value));
+        }
       } else {
         value = c->values[first];
         if (same != impl) {
           c->aliases.emplace_back(slot, source);
+        }
+        auto lifted = std::lower_bound(c->scalars.begin(), c->scalars.end(), first,
+                                       [](const auto& s, size_t i) { return s.first < i; });
+        if (lifted != c->scalars.end() && lifted->first == first) {
+          c->scalars.emplace_back(slot, lifted->second);
         }
       }
       c->versions.push_back(version_of(same != impl ? source : value));
@@ -1536,6 +1571,12 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
     }
     c->svs.push_back(sv);
     c->values.push_back(std::move(value));
+  }
+  // Which slots are lifted is part of the key: the replay indexes them back.
+  for (size_t i = scalars_before; i < c->scalars.size(); ++i) {
+    const auto position = static_cast<uint32_t>(c->scalars[i].first - (c->values.size() - plain.size()));
+    const auto* bytes = reinterpret_cast<const uint8_t*>(&position);
+    c->key.insert(c->key.end(), bytes, bytes + sizeof(position));
   }
   auto& hooked = c->hooked;
   ordered_hooked(compiler, hooked);
@@ -1648,14 +1689,16 @@ rg_status rg_unpack_hooks_defer(PyObject* code) {
   RG_CATCH
 }
 
-rg_status rg_collector_values_to_list(const rg_collector* c, PyObject** out) {
+rg_status rg_collector_values_to_list(const rg_collector* c, int lift, PyObject** out) {
   RG_TRY
   THPObjectPtr list(PyList_New(static_cast<Py_ssize_t>(c->values.size())));
   if (!list) {
     throw python_error();
   }
+  auto scalar = c->scalars.begin();
   for (size_t i = 0; i < c->values.size(); ++i) {
-    const at::Tensor& value = c->values[i];
+    const bool lifted = lift && scalar != c->scalars.end() && scalar->first == i;
+    const at::Tensor& value = lifted ? (scalar++)->second : c->values[i];
     // A replay makes one Python tensor per saved value per call (hundreds on a long chain),
     // alive for the call. Tracked by the cycle collector, they are moved to older
     // generations by collections during calls, which soon triggers a full collection of the

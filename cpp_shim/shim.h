@@ -155,7 +155,8 @@ void rg_collector_free(rg_collector* c);
 // *lifted is 1 when the sizes can be given to rg_node_apply_lifted instead of the node's own
 // (one of torch's generated nodes or CopyBackwards, or a CopySlices wrapping one), preceded
 // by the dims of the input metadata its valid edges point at (what its outputs are
-// validated against; the caller has them from rg_node_describe).
+// validated against; the caller has them from rg_node_describe). The key ends with the
+// positions of the node's slots whose values rg_collector_values_to_list can lift.
 rg_status rg_collector_visit(rg_collector* c, rg_node* node, int* supported, size_t* n_saved,
                              const uint8_t** key, size_t* key_len, const int64_t** sizes,
                              size_t* n_sizes, int* lifted, size_t* n_hooked,
@@ -185,8 +186,10 @@ rg_status rg_saved_variable_unpack_value(const rg_sv* sv, rg_node* saved_for, rg
 // whose hooked saved variables all have one such hook. Needs the GIL.
 rg_status rg_unpack_hooks_defer(PyObject* code);
 // Every slot's value as a new Python list of tensors (None where undefined), in one call:
-// this runs for every backward call. Needs the GIL.
-rg_status rg_collector_values_to_list(const rg_collector* c, PyObject** out);
+// this runs for every backward call. With `lift`, the 0-dim float64 CPU values that do not
+// require grad are given as 1-element 1-dim tensors sharing their storage (a compiled
+// replay indexes them back; Dynamo reads a 0-dim float64 input as a float too). Needs the GIL.
+rg_status rg_collector_values_to_list(const rg_collector* c, int lift, PyObject** out);
 
 // ---- running nodes ---------------------------------------------------------------------
 // Runs node(inputs) with grad mode off and then validate_outputs(next_edges) as the engine's

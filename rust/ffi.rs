@@ -146,7 +146,7 @@ extern "C" {
         n: usize,
     ) -> c_int;
     fn rg_collector_value(c: *const RawCollector, i: usize, value: *mut *mut C_tensor) -> c_int;
-    fn rg_collector_values_to_list(c: *const RawCollector, out: *mut PyObjectPtr) -> c_int;
+    fn rg_collector_values_to_list(c: *const RawCollector, lift: c_int, out: *mut PyObjectPtr) -> c_int;
     fn rg_collector_first_modified(
         c: *const RawCollector,
         begin: usize,
@@ -1025,13 +1025,19 @@ impl Collector {
         Ok((slot < slots.end.min(self.len())).then_some(slot))
     }
 
-    /// Every slot's value as a new Python list (None where undefined).
+    /// Every slot's value as a new Python list (None where undefined); with `lift`, the
+    /// 0-dim float64 values a compiled replay takes as 1-element tensors (see the shim's
+    /// `rg_collector_values_to_list`).
     ///
     /// # Safety
     /// The GIL must be held.
-    pub unsafe fn values_to_list(&self) -> Result<PyObjectPtr, ShimError> {
+    pub unsafe fn values_to_list(&self, lift: bool) -> Result<PyObjectPtr, ShimError> {
         let mut out = ptr::null_mut();
-        check(rg_collector_values_to_list(self.0.as_ptr(), &mut out))?;
+        check(rg_collector_values_to_list(
+            self.0.as_ptr(),
+            c_int::from(lift),
+            &mut out,
+        ))?;
         Ok(out)
     }
 }

@@ -354,10 +354,13 @@ impl PyPlan {
         to_py_tuple(py, out)
     }
 
-    /// The saved values of traced steps, one per slot, as planned (replay inputs).
-    fn saved_values<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+    /// The saved values of traced steps, one per slot, as planned (replay inputs); with
+    /// `lift`, as a compiled replay takes them (0-dim float64 values that do not require
+    /// grad as 1-element tensors sharing their storage, part of the key).
+    #[pyo3(signature = (lift=false))]
+    fn saved_values<'py>(&self, py: Python<'py>, lift: bool) -> PyResult<Bound<'py, PyList>> {
         // SAFETY: the GIL is held; the shim returns a new reference to a list.
-        let list = unsafe { self.plan.layout.values.values_to_list() }?;
+        let list = unsafe { self.plan.layout.values.values_to_list(lift) }?;
         Ok(unsafe { Bound::from_owned_ptr(py, list) }.cast_into::<PyList>()?)
     }
 

@@ -94,3 +94,63 @@ def test_wrapped_number_modified_during_the_backward_raises_as_in_eager(which):
     eager, replay = run(torch.Tensor.backward), run(replayed)
     assert "modified by an inplace operation" in eager[0]
     assert replay == eager
+
+
+def test_compiled_replays_take_0dim_float64_values_lifted():
+    """Dynamo reads a 0-dim float64 input as a float too, and when the graph does not use it
+    as one, Dynamo traces the frame twice (inductor's tensorify_python_scalars pass
+    restarts it). A compiled replay takes such values as 1-element tensors sharing their
+    storage and version counter (one per value), those requiring grad as they are."""
+    x = torch.randn(4, requires_grad=True)
+    w = torch.tensor(3.0, dtype=torch.float64, requires_grad=True)
+    loss = scaled(x * w)
+    plan = _core.plan([loss])
+    plain, lifted = plan.saved_values(), plan.saved_values(lift=True)
+    assert len(plain) == len(lifted)
+    moved = [(a, b) for a, b in zip(plain, lifted) if a is not b]
+    # The float64 wrapped numbers (0.9 three times, 0.8, 2.0, -0.0, 0.0); not the int 2 nor w.
+    assert len(moved) == 7
+    assert all(b.shape == (1,) and b.dtype == a.dtype and b.device == a.device for a, b in moved)
+    assert all(b.data_ptr() == a.data_ptr() and b._version == a._version for a, b in moved)
+    assert not any(b.requires_grad for _, b in moved)
+    assert len({id(b) for a, b in moved if a.item() == 0.9}) == 1
+    assert sum(v is not None and v.requires_grad and v.dim() == 0 for v in lifted) == 1
+
+
+def test_a_region_with_wrapped_numbers_is_traced_once():
+    from torch._dynamo.utils import counters
+
+    x = torch.randn(16, requires_grad=True)
+
+    def loss():
+        y = x
+        for i in range(30):
+            y = y.sin() if i % 3 == 0 else y * 0.9 if i % 3 == 1 else y + 0.1
+        return y.sum()
+
+    loss().backward()
+    expected = grads_of([x])
+    x.grad = None
+    counters.clear()
+    with replaygrad.enable("aot_eager"):
+        loss().backward()
+    assert dict(counters["aot_autograd"]) == {"total": 1, "ok": 1}
+    assert_grads_equal(expected, grads_of([x]), exact=False)
+
+
+@pytest.mark.parametrize("compiler", [None, "aot_eager"])
+def test_a_0dim_float64_value_and_a_1_element_one_have_other_keys(compiler):
+    """A replay indexes a lifted value back, so whether a slot is lifted is part of the key:
+    the same nodes saving a 1-element tensor (not lifted) do not take its replay."""
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    scalar = torch.tensor(0.5, dtype=torch.float64)
+    vector = torch.tensor([0.5], dtype=torch.float64)
+    assert _core.plan([(x * scalar).sum()]).key != _core.plan([(x * vector).sum()]).key
+    for s in [scalar, vector, scalar, vector]:
+        (x * s).sum().backward()
+        expected = grads_of([x])
+        x.grad = None
+        with replaygrad.enable(compiler):
+            (x * s).sum().backward()
+        assert_grads_equal(expected, grads_of([x]), exact=compiler is None)
+        x.grad = None

@@ -18,7 +18,7 @@ import torch
 from . import _core
 from ._explain import key_difference
 from ._logging import Lazy, cache_log, recompiles_log, source_log
-from ._replay import Region, Replay, build
+from ._replay import Region, Replay, build, replay_inputs
 
 #: What ``compiler=`` accepts: a torch.compile backend name, a callable that takes a
 #: function and returns a compiled one, or None (run the replay as plain Python).
@@ -504,7 +504,7 @@ class ReplayCache:
             return compiled
 
         size = self.region_size if config.compiler is not None else None
-        saved = plan.saved_values() if config.compiler is not None else ()
+        saved, scalars = replay_inputs(plan) if config.compiler is not None else ((), frozenset())
         replay = build(
             plan,
             compile_region,
@@ -516,6 +516,7 @@ class ReplayCache:
             uncompiled=config.compiler is None,
             breakless=config.compiler is not None and (breakless or config.fullgraph),
             products=config.products,
+            scalars=scalars,
         )
         source_log.debug("replay %s:\n%s", plan.key, replay.source)
         return replay

@@ -1099,9 +1099,9 @@ def generate_source(
 ) -> str:
     """The replay source of ``plan``: the driver, then its regions (see :func:`regions`)."""
     steps = plan.steps()
-    saved = plan.saved_values() if region_size is not None else ()
+    saved, scalars = replay_inputs(plan) if region_size is not None else ((), frozenset())
     opaque = opaque | steps_run_as_themselves(plan, steps)
-    found = regions(plan, steps, hooks_in_graph, opaque, region_size, saved)
+    found = regions(plan, steps, hooks_in_graph, opaque, region_size, saved, scalars=scalars)
     return _replay_source(found, _driver_source(steps, found, plan.num_captures, hooks_in_graph))
 
 
@@ -1171,6 +1171,7 @@ def regions(
     escapes: bool = True,
     breakless: bool = False,
     products: bool = False,
+    scalars: frozenset[int] = frozenset(),
 ) -> tuple[Region, ...]:
     """Splits ``plan`` into regions of about ``region_size`` steps (see :func:`_cuts`; one
     region if None) and generates their source.
@@ -1180,7 +1181,8 @@ def regions(
     has ``region_size`` steps, so that in a graph of repeated structure the regions repeat
     too; with a ``region_size``, a region also starts at each checkpointed block (see
     :func:`unpack_saved`). ``saved`` (the plan's saved values, when known) adds their
-    metadata to the keys, and the regions do not read the slots that hold None. ``opaque``
+    metadata to the keys, and the regions do not read the slots that hold None; ``scalars``:
+    the slots whose values ``saved`` holds lifted (see :func:`replay_inputs`). ``opaque``
     and ``escapes``: see :func:`_region_source`.
 
     ``breakless`` (a compiler that allows no graph break, ``fullgraph=True``): the steps
@@ -1226,6 +1228,7 @@ def regions(
             {m: (first, members, hooked[m][0]) for first, members in unpacks for m in members},
             absent,
             _region_products(factored, steps, saved, start, end),
+            scalars,
         )
         a, b = (steps[start][6], steps[end - 1][7]) if end > start else (0, 0)
         identity = [
@@ -1395,6 +1398,16 @@ def _unpack_groups(
     return [(members[0], tuple(members)) for members in groups.values()]
 
 
+def replay_inputs(plan: _core.Plan) -> tuple[list, frozenset[int]]:
+    """The saved values a compiled replay of ``plan`` takes, and the slots among them that
+    hold a 0-dim float64 value lifted to a 1-element tensor (see
+    ``_core.Plan.saved_values``), which the replay indexes back in its graph: Dynamo reads
+    such a 0-dim input as a float too, and when the graph does not use that float as one
+    (a wrapped number's value in ``MulBackward0``), inductor has Dynamo trace it again."""
+    plain, lifted = plan.saved_values(), plan.saved_values(lift=True)
+    return lifted, frozenset(k for k, (a, b) in enumerate(zip(plain, lifted)) if a is not b)
+
+
 def _meta(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return (value.dtype, value.layout, tuple(value.shape), value.stride())
@@ -1454,6 +1467,7 @@ def _region_source(
     unpacked: dict[int, tuple[int, tuple[int, ...], int]] | None = None,
     absent: frozenset[int] = frozenset(),
     products: dict[int, tuple[tuple[tuple[int, int, bool, int], ...], ...]] | None = None,
+    scalars: frozenset[int] = frozenset(),
 ) -> tuple[str, tuple, tuple, tuple, int]:
     """Straight-line source for ``region(inc, saved, sizes, hooks, deferred)``, one block per step
     as engine.cpp runs it, and its interface: the incoming and exported input buffers (as
@@ -1481,7 +1495,8 @@ def _region_source(
     (undefined SavedVariables; the keys tell them apart): the region passes None there
     without reading ``saved``, so that a compiler does not guard on them. ``products``: the
     AccumulateGrad steps that take their gradient as a product's factors (see
-    :func:`_products`; their matmul steps are in the region).
+    :func:`_products`; their matmul steps are in the region). ``scalars``: the saved slots
+    whose values come lifted (see :func:`replay_inputs`), which the region indexes back.
     """
     unpacked = unpacked or {}
     products = products or {}
@@ -1548,9 +1563,12 @@ def _region_source(
 
     def saved_slots(a: int, b: int) -> str:
         """The list of the saved slots ``a..b``."""
-        if not any(slot in absent for slot in range(a, b)):
+        if not any(slot in absent or slot in scalars for slot in range(a, b)):
             return f"saved[{a - saved_base}:{b - saved_base}]"
-        values = ("None" if x in absent else f"saved[{x - saved_base}]" for x in range(a, b))
+        values = (
+            "None" if x in absent else f"saved[{x - saved_base}]{'[0]' if x in scalars else ''}"
+            for x in range(a, b)
+        )
         return f"[{', '.join(values)}]"
 
     def stacks(block: tuple[tuple[int, int, bool, int], ...]) -> tuple[str, str, str]:
@@ -1791,6 +1809,7 @@ def build(
     uncompiled: bool = False,
     breakless: bool = False,
     products: bool = False,
+    scalars: frozenset[int] = frozenset(),
 ) -> Replay:
     """Generates the replay of ``plan``, each region's function compiled by
     ``compile_region(region, fn)``. ``uncompiled``: the regions run as Python (no compiler
@@ -1811,7 +1830,16 @@ def build(
             # cannot trace does): the hooks run between regions too.
             hooks_in_graph = False
     found = regions(
-        plan, steps, hooks_in_graph, opaque, region_size, saved, escapes, breakless, products
+        plan,
+        steps,
+        hooks_in_graph,
+        opaque,
+        region_size,
+        saved,
+        escapes,
+        breakless,
+        products,
+        scalars,
     )
     namespace: dict[str, Any] = {"at": at, "buffer_sum": buffer_sum}
     runtime = _RUNTIME
