@@ -856,3 +856,20 @@ def test_a_formula_that_fixes_a_symbolic_size_runs_outside_the_graph():
     assert lookups() == (1, 7)
     assert graphs[3:] == [graphs[3]] * 5, f"Dynamo graphs after each call: {graphs}"
     assert any("specialises symbolic sizes" in k for k in counters["graph_break"])
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_an_empty_input_after_sizes_became_dynamic(compiler):
+    """``cat``'s backward narrows its gradient by the sizes it keeps. With those sizes
+    dynamic (after a second batch size), an empty input fixes one to 0 while AOTAutograd
+    runs the graph to collect its metadata: that pass is not Dynamo's run of the step,
+    where such a step can leave the graph, so it must not try to (before, the compile failed
+    with Dynamo's Unsupported)."""
+    b = torch.randn(5, 5, requires_grad=True)
+    for n in (3, 4, 0, 2):
+        a = torch.randn(n, 5, requires_grad=True)
+        g = torch.randn(n + 5, 5)
+        expected = torch.autograd.grad(torch.cat([a, b]), [a, b], g)
+        got = replaygrad.grad(torch.cat([a, b]), [a, b], g, compiler=compiler)
+        for e, r in zip(expected, got):
+            torch.testing.assert_close(r, e)

@@ -380,9 +380,11 @@ def _apply(
 
 def _dynamo_fake_run() -> bool:
     """Whether a traced step runs for Dynamo, which runs it on fake tensors for the
-    metadata of its outputs (and AOTAutograd then traces it into ATen ops, under a proxy
-    mode)."""
-    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is None
+    metadata of its outputs (and AOTAutograd then runs it functionalized to collect the
+    graph's metadata, and traces it into ATen ops under a proxy mode)."""
+    mode = torch._C._get_dispatch_mode
+    key = torch._C._TorchDispatchModeKey
+    return mode(key.PROXY) is None and mode(key.FUNCTIONAL) is None
 
 
 def _graph_breaks_allowed() -> bool:
