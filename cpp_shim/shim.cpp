@@ -1573,8 +1573,9 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
     c->values.push_back(std::move(value));
   }
   // Which slots are lifted is part of the key: the replay indexes them back.
+  const size_t node_first = c->values.size() - plain.size();
   for (size_t i = scalars_before; i < c->scalars.size(); ++i) {
-    const auto position = static_cast<uint32_t>(c->scalars[i].first - (c->values.size() - plain.size()));
+    const auto position = static_cast<uint32_t>(c->scalars[i].first - node_first);
     const auto* bytes = reinterpret_cast<const uint8_t*>(&position);
     c->key.insert(c->key.end(), bytes, bytes + sizeof(position));
   }
