@@ -1422,12 +1422,12 @@ static at::Tensor replay_value(const at::Tensor& unpacked) {
 }
 
 // A 0-dim float64 CPU tensor given to Dynamo is read as a float too (FakeTensorConverter
-// makes a symbol of its item()); when the graph does not use that float, inductor's
-// tensorify_python_scalars pass has Dynamo trace the frame again (TensorifyScalarRestart-
-// Analysis), about a quarter of the first call of a chain of `* 0.9`. Wrapped numbers are
-// such tensors. A compiled replay takes such a value (not requiring grad: its formula may ask)
-// as a 1-element 1-dim tensor sharing its storage and version counter, and indexes it back
-// in the graph.
+// makes a symbol of its item()); when the graph does not use that float, AOTAutograd's
+// tensorify_python_scalars pass has Dynamo trace the frame again (it raises
+// TensorifyScalarRestartAnalysis), about a quarter of the first call of a chain of `* 0.9`.
+// Wrapped numbers are such tensors. A compiled replay takes such a value (not requiring
+// grad: its formula may ask) as a 1-element 1-dim tensor sharing its storage and version
+// counter, and indexes it back in the graph.
 static bool liftable_scalar(const at::Tensor& value) {
   const c10::TensorImpl* impl = value.unsafeGetTensorImpl();
   return plain_dense(impl) && impl->dim() == 0 && impl->device_type() == c10::kCPU &&

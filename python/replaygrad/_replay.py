@@ -1405,7 +1405,8 @@ def replay_inputs(plan: _core.Plan) -> tuple[list, frozenset[int]]:
     hold a 0-dim float64 value lifted to a 1-element tensor (see
     ``_core.Plan.saved_values``), which the replay indexes back in its graph: Dynamo reads
     such a 0-dim input as a float too, and when the graph does not use that float as one
-    (a wrapped number's value in ``MulBackward0``), inductor has Dynamo trace it again."""
+    (a wrapped number's value in ``MulBackward0``), AOTAutograd's ``tensorify_python_scalars``
+    pass has Dynamo trace the region again."""
     plain, lifted = plan.saved_values(), plan.saved_values(lift=True)
     return lifted, frozenset(k for k, (a, b) in enumerate(zip(plain, lifted)) if a is not b)
 
