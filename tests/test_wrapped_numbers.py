@@ -98,7 +98,7 @@ def test_wrapped_number_modified_during_the_backward_raises_as_in_eager(which):
 
 def test_compiled_replays_take_0dim_float64_values_lifted():
     """Dynamo reads a 0-dim float64 input as a float too, and when the graph does not use it
-    as one, Dynamo traces the frame twice (inductor's tensorify_python_scalars pass
+    as one, Dynamo traces the frame twice (AOTAutograd's tensorify_python_scalars pass
     restarts it). A compiled replay takes such values as 1-element tensors sharing their
     storage and version counter (one per value), those requiring grad as they are."""
     x = torch.randn(4, requires_grad=True)

@@ -584,14 +584,14 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
     plan_log.debug("plan:\n%s", Lazy(lambda: table(plan)))
     grads = plan.root_grads()
     # A compiled replay takes 0-dim float64 values lifted (see _replay.replay_inputs).
-    saved = plan.saved_values(lift=config.compiler is not None)
+    lifted = config.compiler is not None
+    saved = plan.saved_values(lift=lifted)
     if config.compiler is not None and (plan.nested_inputs or _unfakeable(grads, saved)):
         # Dynamo cannot fake such tensors (e.g. LoggingTensor): every step would be a graph
         # break and a frame of its own to compile, so the replay runs uncompiled. Nor can it
         # resume after a graph break with a nested tensor, a gradient the replay passes
         # between steps, so a graph with one runs uncompiled as well.
         config = Config(None, fallback=config.fallback)
-        saved = plan.saved_values()
     try:
         entry = cache.get(plan, config)
     except Exception as error:
@@ -630,7 +630,8 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
             vetting = (entry, config, in_graph, before if in_graph else [])
             entry = cache.uncompiled(plan, config)
             config = Config(None, fallback=config.fallback)
-            saved = plan.saved_values()
+    if lifted and config.compiler is None:
+        saved = plan.saved_values()  # the uncompiled replay takes them as they are
     hooks = hook_arguments(dicts, entry.replay.hooks_in_graph)
     if entry.replay.hooks_in_graph and hooks:
         concern = traced_hooks_concern(hooks)
