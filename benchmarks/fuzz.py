@@ -23,6 +23,7 @@ import argparse
 import collections
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     stats: collections.Counter[str] = collections.Counter()
     failures: collections.Counter[str] = collections.Counter()
     smallest: dict[str, fuzz_graphs.Program] = {}
+    tracebacks: dict[str, str] = {}  # the end of the first traceback of each group
 
     def run(program: fuzz_graphs.Program) -> None:
         if args.reset_every and stats["examples"] % args.reset_every == 0:
@@ -144,12 +146,13 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as error:
             if not args.keep_going:
                 raise
-            key = (
-                f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
-            )
+            where = traceback.extract_tb(error.__traceback__)[-1]
+            message = str(error).splitlines()[0][:200] if str(error) else ""
+            key = f"{type(error).__name__}: {message} ({where.filename}:{where.lineno})"
             failures[key] += 1
             if key not in smallest or len(program.ops) < len(smallest[key].ops):
                 smallest[key] = program
+            tracebacks.setdefault(key, "".join(traceback.format_exception(error)[-12:]))
 
     test = given(strategy)(run)
     test = settings(
@@ -186,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ops the meta forward rejected while drawing: {dict(fuzz_graphs.REJECTED)}")
     for key, count in failures.most_common():
         status = 1
-        print(f"\n{count} x {key}\n  smallest: {smallest[key]}")
+        print(f"\n{count} x {key}\n  smallest: {smallest[key]}\n  first seen:\n{tracebacks[key]}")
     if status == 0:
         print("no differences")
     return status
