@@ -445,6 +445,34 @@ def test_gradient_penalty_through_scatter_add_on_a_view_with_inductor(options):
     compare(run, "inductor", **options)
 
 
+#: Average poolings whose backward inductor's lowering (torch 2.13) gets wrong or rejects.
+_AVG_POOLS = {
+    # A last window overhanging the input (ceil_mode) divided by the whole kernel.
+    "1d_ceil": lambda x: F.avg_pool1d(x.flatten(2), 2, ceil_mode=True),
+    "2d_ceil": lambda x: F.avg_pool2d(x, 2, ceil_mode=True),
+    "2d_ceil_padded": lambda x: F.avg_pool2d(x[..., :4, :4], 3, 2, 1, ceil_mode=True),
+    "3d_ceil": lambda x: F.avg_pool3d(x[None], 2, ceil_mode=True),
+    # One padding for both dimensions: the lowering asserts one per dimension.
+    "2d_one_padding": lambda x: F.avg_pool2d(x, (3, 3), (1, 1), (1,)),
+}
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("pool", sorted(_AVG_POOLS))
+def test_average_pooling_that_inductor_lowers_unlike_eager(pool, compiler):
+    # Found by an OpInfo sweep under inductor; torch's compiled autograd gets the same wrong
+    # gradients. Such a node runs as itself.
+    def run(backward):
+        torch.manual_seed(0)
+        x = torch.randn(1, 2, 5, 5, requires_grad=True)
+        w = torch.randn(2, 1, 1, requires_grad=True)
+        y = _AVG_POOLS[pool](x * w)
+        backward((y.sin() + F.avg_pool2d(x, 2).sum()).sum())
+        return [y.grad_fn.name()], grads_of([x, w])
+
+    compare(run, compiler)
+
+
 # ---- sparse, mixed dtypes, broadcasting ---------------------------------------------------
 
 

@@ -1127,7 +1127,12 @@ def steps_run_as_themselves(plan: _core.Plan, steps: list) -> frozenset[int]:
       ``linalg.eigh``, whose formula checks that the loss does not depend on the
       eigenvectors' phases only on real tensors;
     - ``Tensor.put`` without ``accumulate``, whose backward's ``put_`` alerts under
-      ``torch.use_deterministic_algorithms`` (inductor's code does not).
+      ``torch.use_deterministic_algorithms`` (inductor's code does not);
+    - ``avg_pool1d/2d/3d`` where inductor's lowering of their backward (torch 2.13) differs
+      from eager: with ``ceil_mode`` and ``count_include_pad`` it divides a last window that
+      overhangs the padded input by the whole kernel, not by the part eager counts (wrong
+      gradients, pytorch/pytorch#198119), and it asserts one kernel size, stride and padding
+      per dimension where eager also takes a single one for all.
     """
     candidates = [s for s, step in enumerate(steps) if step[2] == "traced"]
     if not candidates:
@@ -1138,6 +1143,9 @@ def steps_run_as_themselves(plan: _core.Plan, steps: list) -> frozenset[int]:
 
 #: The saved flags of torch's generated nodes that make their gradients sparse.
 _SPARSE_FLAGS = ("_saved_sparse", "_saved_sparse_grad")
+
+#: Average pooling nodes (avg_pool1d's is AvgPool2DBackward0) and their spatial dimensions.
+_AVG_POOL_DIMS = {"AvgPool2DBackward0": 2, "AvgPool3DBackward0": 3}
 
 
 def _runs_as_itself(node: Any) -> bool:
@@ -1156,6 +1164,15 @@ def _runs_as_itself(node: Any) -> bool:
         # (raises, or warns with warn_only) as the setting is on each call; inductor's code
         # for it does not.
         return not node._saved_accumulate
+    if name in _AVG_POOL_DIMS:
+        dims = _AVG_POOL_DIMS[name]
+        overhang_divided_by_kernel = (
+            node._saved_ceil_mode
+            and node._saved_count_include_pad
+            and node._saved_divisor_override is None
+        )
+        sizes = (node._saved_kernel_size, node._saved_stride, node._saved_padding)
+        return overhang_divided_by_kernel or any(0 < len(s) < dims for s in sizes)
     if name == "LinalgEighBackward0":
         # Real eigenvectors have no phase to check. (Read from the gradient's metadata: the
         # saved value may be behind an unpack hook, e.g. checkpointing's.)
