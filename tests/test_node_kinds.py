@@ -473,6 +473,34 @@ def test_average_pooling_that_inductor_lowers_unlike_eager(pool, compiler):
     compare(run, compiler)
 
 
+#: 2-d nearest upsamplings: inductor's lowering of their backward ignores the scale.
+_NEAREST_2D = {
+    "scale_2": dict(scale_factor=2),
+    "scale_1.7": dict(scale_factor=1.7, recompute_scale_factor=False),
+    "scale_0.6": dict(scale_factor=0.6, recompute_scale_factor=False),
+    "size": dict(size=(5, 7)),
+}
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("kind", sorted(_NEAREST_2D))
+def test_nearest_upsampling_over_changing_image_sizes(kind, compiler):
+    # Inductor's lowering of upsample_nearest2d_backward (torch 2.13) computes from the sizes
+    # only: wrong gradients for a scale that is not output size / input size, and a failed
+    # compile once the spatial sizes are dynamic (the second image size here).
+    def run(backward):
+        grads = []
+        for shape in [(2, 3, 4, 4), (2, 3, 6, 6), (3, 3, 6, 5)]:
+            torch.manual_seed(0)
+            x = torch.randn(shape, requires_grad=True)
+            y = F.interpolate(x, mode="nearest", **_NEAREST_2D[kind])
+            backward((y.sin() * y.size(-1)).sum())
+            grads += grads_of([x])
+        return [], grads
+
+    compare(run, compiler)
+
+
 # ---- sparse, mixed dtypes, broadcasting ---------------------------------------------------
 
 

@@ -1132,7 +1132,13 @@ def steps_run_as_themselves(plan: _core.Plan, steps: list) -> frozenset[int]:
       from eager: with ``ceil_mode`` and ``count_include_pad`` it divides a last window that
       overhangs the padded input by the whole kernel, not by the part eager counts (wrong
       gradients, pytorch/pytorch#198119), and it asserts one kernel size, stride and padding
-      per dimension where eager also takes a single one for all.
+      per dimension where eager also takes a single one for all;
+    - 2-d nearest upsampling (``interpolate(mode="nearest")`` of a 4-d input), whose
+      backward inductor lowers (torch 2.13) from the sizes alone: given a scale whose
+      reciprocal is not input size / output size (``scale_factor=1.7,
+      recompute_scale_factor=False``) it computes wrong gradients, and once the spatial sizes
+      are dynamic it fails to compile (``'FloorDiv' object cannot be interpreted as an
+      integer``), whatever the scale.
     """
     candidates = [s for s, step in enumerate(steps) if step[2] == "traced"]
     if not candidates:
@@ -1164,6 +1170,8 @@ def _runs_as_itself(node: Any) -> bool:
         # (raises, or warns with warn_only) as the setting is on each call; inductor's code
         # for it does not.
         return not node._saved_accumulate
+    if name == "UpsampleNearest2DBackward0":
+        return True
     if name in _AVG_POOL_DIMS:
         dims = _AVG_POOL_DIMS[name]
         overhang_divided_by_kernel = (
