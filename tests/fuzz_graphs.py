@@ -1337,13 +1337,7 @@ WEIGHTS: dict[str, int] = {
 EXCLUDED: dict[str, str] = {}
 
 #: Ops also left out when the replay is compiled.
-COMPILED_EXCLUDED: dict[str, str] = {
-    "fn_fail": (
-        "an error raised by a traced Function's backward reaches the caller as Dynamo's "
-        "TorchRuntimeError: test_fuzz_regressions.py::"
-        "test_traceable_function_error_reaches_caller_when_compiled"
-    ),
-}
+COMPILED_EXCLUDED: dict[str, str] = {}
 
 #: Ops dropped while drawing because the meta forward rejected them (for tuning).
 REJECTED: Counter[str] = Counter()
