@@ -1628,6 +1628,8 @@ def _region_source(
         name, _kind, mode, _seq, _inputs, _outputs, a, b, slots, _targets, hooks, caps = steps[s]
         k = s - start
         arg = f"deferred, {k}, "
+        if mode == "traced" and s in opaque:
+            mode = "opaque"
         body.append(f"# step {k}: {name} ({mode})")
         body.append(f"i = [{', '.join(buffer(s, slot) for slot in range(len(slots)))}]")
         consumed = [partial.pop((s, slot)) for slot in range(len(slots)) if (s, slot) in partial]
@@ -1666,8 +1668,6 @@ def _region_source(
                 hook += 1
             else:
                 body.append(f"i = cpp_pre_hook(deferred, {k}, {pos}, i)")
-        if mode == "traced" and s in opaque:
-            mode = "opaque"
         if mode == "traced":
             c, d = size_ranges[s]
             lifted = f", sizes[{c - sizes_base}:{d - sizes_base}]" if d > c else ""
