@@ -1492,7 +1492,11 @@ def programs(
 
 def _default_assert_replayed(before: replaygrad.CacheInfo, calls: int = 1) -> None:
     after = replaygrad.cache_info()
-    assert (after.hits + after.misses) - (before.hits + before.misses) == calls
+    replayed = (after.hits + after.misses) - (before.hits + before.misses)
+    assert replayed == calls, (
+        f"{calls - replayed} of {calls} backward calls ran in the engine, not replayed "
+        "(in long runs: the recompile limit of one graph shape, see fuzz.py --reset-every)"
+    )
 
 
 def _assert_same(expected: Any, actual: Any, exact: bool, what: str) -> None:
