@@ -106,6 +106,22 @@ def test_in_place_activation_with_a_negative_slope(op, compiler):
     )
 
 
+@pytest.mark.parametrize("compiler", [None, "aot_eager", "inductor"])
+@pytest.mark.parametrize("shape", [(3, 3), (), (1,)])
+def test_accumulating_put_with_a_0_dim_index(shape, compiler):
+    # Its backward's take of a 0-dim index fails to compile under inductor (torch 2.13: a
+    # data-dependent item()); found by an OpInfo sweep under inductor.
+    def run(backward):
+        torch.manual_seed(0)
+        x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+        src = torch.randn((), dtype=torch.float64, requires_grad=True)
+        y = x.put(torch.zeros((), dtype=torch.long), src, accumulate=True)
+        backward((y * y).sum())
+        return x.grad, src.grad
+
+    torch.testing.assert_close(run(_compiled_backward(compiler)), run(torch.autograd.backward))
+
+
 @pytest.mark.parametrize("compiler", [None, "aot_eager"])
 @pytest.mark.parametrize("decomposition", ["eig", "eigh"])
 def test_eig_backward_of_a_loss_that_depends_on_the_eigenvectors_phases(decomposition, compiler):

@@ -1126,8 +1126,11 @@ def steps_run_as_themselves(plan: _core.Plan, steps: list) -> frozenset[int]:
       (inductor's decompositions have no such check), and ``linalg.eig`` and complex
       ``linalg.eigh``, whose formula checks that the loss does not depend on the
       eigenvectors' phases only on real tensors;
-    - ``Tensor.put`` without ``accumulate``, whose backward's ``put_`` alerts under
-      ``torch.use_deterministic_algorithms`` (inductor's code does not);
+    - ``Tensor.put``: without ``accumulate`` its backward's ``put_`` alerts under
+      ``torch.use_deterministic_algorithms`` (raises, or warns with ``warn_only``, as set on
+      each call; inductor's code does not); with it, its backward's ``take`` of a 0-dim index
+      fails to compile under inductor (torch 2.13: a data-dependent ``item()``), and the
+      index may be behind an unpack hook (checkpointing's) when the replay is built;
     - ``avg_pool1d/2d/3d`` where inductor's lowering of their backward (torch 2.13) differs
       from eager: with ``ceil_mode`` and ``count_include_pad`` it divides a last window that
       overhangs the padded input by the whole kernel, not by the part eager counts (wrong
@@ -1165,12 +1168,7 @@ def _runs_as_itself(node: Any) -> bool:
         return slope < 0
     if name == "RreluWithNoiseBackward1":
         return (node._saved_lower + node._saved_upper) / 2 < 0
-    if name == "PutBackward0":
-        # Its formula's put_ (accumulate=False) alerts under torch.use_deterministic_algorithms
-        # (raises, or warns with warn_only) as the setting is on each call; inductor's code
-        # for it does not.
-        return not node._saved_accumulate
-    if name == "UpsampleNearest2DBackward0":
+    if name in ("PutBackward0", "UpsampleNearest2DBackward0"):
         return True
     if name in _AVG_POOL_DIMS:
         dims = _AVG_POOL_DIMS[name]
