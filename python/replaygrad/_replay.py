@@ -1156,20 +1156,23 @@ _SPARSE_FLAGS = ("_saved_sparse", "_saved_sparse_grad")
 #: Average pooling nodes (avg_pool1d's is AvgPool2DBackward0) and their spatial dimensions.
 _AVG_POOL_DIMS = {"AvgPool2DBackward0": 2, "AvgPool3DBackward0": 3}
 
+#: Nodes that run as themselves whatever their saved state.
+_ALWAYS_THEMSELVES = frozenset({"PutBackward0", "UpsampleNearest2DBackward0", "LinalgEigBackward0"})
+
 
 def _runs_as_itself(node: Any) -> bool:
     """See :func:`steps_run_as_themselves`."""
     if any(getattr(node, name, False) is True for name in _SPARSE_FLAGS):
         return True
     name = type(node).__name__
+    if name in _ALWAYS_THEMSELVES:
+        return True
     if name in ("LeakyReluBackward1", "EluBackward1", "CeluBackward1"):
         # The backward of the in-place op, from its result: slopes below 0 raise.
         slope = node._saved_negative_slope if name == "LeakyReluBackward1" else node._saved_alpha
         return slope < 0
     if name == "RreluWithNoiseBackward1":
         return (node._saved_lower + node._saved_upper) / 2 < 0
-    if name in ("PutBackward0", "UpsampleNearest2DBackward0"):
-        return True
     if name in _AVG_POOL_DIMS:
         dims = _AVG_POOL_DIMS[name]
         overhang_divided_by_kernel = (
@@ -1183,7 +1186,7 @@ def _runs_as_itself(node: Any) -> bool:
         # Real eigenvectors have no phase to check. (Read from the gradient's metadata: the
         # saved value may be behind an unpack hook, e.g. checkpointing's.)
         return node._input_metadata[1].dtype.is_complex
-    return name == "LinalgEigBackward0"
+    return False
 
 
 def regions(
