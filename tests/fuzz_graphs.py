@@ -1490,7 +1490,7 @@ def programs(
 # ---- the differential check --------------------------------------------------------------
 
 
-def _default_assert_replayed(before: replaygrad.CacheInfo, calls: int = 1) -> None:
+def _assert_replayed(before: replaygrad.CacheInfo, calls: int) -> None:
     after = replaygrad.cache_info()
     replayed = (after.hits + after.misses) - (before.hits + before.misses)
     assert replayed == calls, (
@@ -1562,7 +1562,6 @@ def run_replaygrad(
     program: Program,
     values: Sequence[torch.Tensor],
     compiler: Any = None,
-    assert_replayed: Callable[..., None] = _default_assert_replayed,
 ) -> Outcome:
     b = build(program, fresh_leaves(program, values))
     before = replaygrad.cache_info()
@@ -1573,7 +1572,7 @@ def run_replaygrad(
         functools.partial(replaygrad.grad, compiler=compiler),
     )
     if outcome.error is None:
-        assert_replayed(before, outcome.calls)
+        _assert_replayed(before, outcome.calls)
     return outcome
 
 
@@ -1632,7 +1631,6 @@ def check(
     dtype: torch.dtype = torch.float64,
     exact: bool = True,
     repeat: bool = False,
-    assert_replayed: Callable[..., None] = _default_assert_replayed,
 ) -> None:
     """Builds ``program`` from the same leaf values twice (three times with ``repeat``: a
     second replay that can reuse the cached one) and compares eager with replaygrad."""
@@ -1643,7 +1641,7 @@ def check(
     # replaygrad copies instead (test_fuzz_regressions.py::STEAL).
     root_grads = not program.twice
     for _ in range(2 if repeat else 1):
-        actual = run_replaygrad(program, values, compiler, assert_replayed)
+        actual = run_replaygrad(program, values, compiler)
         compare(expected, actual, exact, root_grads)
 
 
