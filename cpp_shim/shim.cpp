@@ -53,6 +53,7 @@ using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 using torch::dynamo::autograd::AutogradCompilerCall;
 using torch::dynamo::autograd::CompiledNodeArgs;
+using torch::dynamo::autograd::NodeCall;
 using torch::dynamo::autograd::PyCompilerGuard;
 using torch::dynamo::autograd::PyCompilerInterface;
 using torch::dynamo::autograd::SizeInput;
@@ -191,38 +192,82 @@ bool type_is(const T& obj, const char* mangled) {
   return std::strcmp(typeid(obj).name(), mangled) == 0;
 }
 
-rg_node_kind kind_of_uncached(Node& node) {
+// What replaygrad needs to know of a node's C++ type: its kind, and for torch's own nodes
+// whether it is a formula with a functional form (see has_functional_form) or a CopySlices.
+enum class NodeType : uintptr_t {
+  kGeneric = 0,
+  kFormula = 1,     // a generated node or CopyBackwards
+  kCopySlices = 2,
+  kAccumulateGrad = 3,
+  kPython = 4,
+  kCppFunction = 5,
+};
+
+NodeType node_type_uncached(Node& node) {
   if (dynamic_cast<AccumulateGrad*>(&node)) {
-    return RG_NODE_ACCUMULATE_GRAD;
+    return NodeType::kAccumulateGrad;
   }
   const char* name = typeid(node).name();
   if (std::strcmp(name, kPyNode) == 0) {
-    return RG_NODE_PYTHON;
+    return NodeType::kPython;
   }
   if (std::strncmp(name, kCppNodePrefix, std::strlen(kCppNodePrefix)) == 0) {
-    return RG_NODE_CPP_FUNCTION;
+    return NodeType::kCppFunction;
   }
-  return RG_NODE_GENERIC;
+  if (std::strncmp(name, kGeneratedPrefix, std::strlen(kGeneratedPrefix)) == 0 ||
+      typeid(node) == typeid(torch::autograd::CopyBackwards)) {
+    return NodeType::kFormula;
+  }
+  if (typeid(node) == typeid(torch::autograd::CopySlices)) {
+    return NodeType::kCopySlices;
+  }
+  return NodeType::kGeneric;
 }
 
-// The kind is a property of the node's C++ type: found once per type (dynamic_cast and
-// type-name comparisons cost more than the rest of a node's visit). The cache is a small
-// table shared by all threads: each entry is a type_info address with the kind in its low
-// bits (type_info objects are pointer-aligned), written and read atomically, so a reader
-// sees a whole entry or a miss.
-rg_node_kind kind_of(Node& node) {
+// The type is found once per C++ type: dynamic_cast, and type_info comparisons (a strcmp of
+// the names when the type_info objects differ), cost more than the rest of a node's visit.
+// The cache is a small table shared by all threads: each entry is a type_info address with
+// the NodeType in its low bits (type_info objects are pointer-aligned), written and read
+// atomically, so a reader sees a whole entry or a miss.
+NodeType node_type(Node& node) {
   constexpr size_t kSlots = 256;
-  static_assert(alignof(std::type_info) >= 8, "the kind lives in a type_info address's low bits");
+  static_assert(alignof(std::type_info) >= 8, "the type lives in a type_info address's low bits");
   static std::atomic<uintptr_t> cache[kSlots];
   const auto type = reinterpret_cast<uintptr_t>(&typeid(node));
   auto& slot = cache[(type >> 4) % kSlots];
   uintptr_t entry = slot.load(std::memory_order_relaxed);
   if ((entry & ~uintptr_t{7}) == type) {
-    return static_cast<rg_node_kind>(entry & 7);
+    return static_cast<NodeType>(entry & 7);
   }
-  rg_node_kind kind = kind_of_uncached(node);
-  slot.store(type | static_cast<uintptr_t>(kind), std::memory_order_relaxed);
-  return kind;
+  NodeType found = node_type_uncached(node);
+  slot.store(type | static_cast<uintptr_t>(found), std::memory_order_relaxed);
+  return found;
+}
+
+rg_node_kind kind_of(NodeType type) {
+  switch (type) {
+    case NodeType::kAccumulateGrad:
+      return RG_NODE_ACCUMULATE_GRAD;
+    case NodeType::kPython:
+      return RG_NODE_PYTHON;
+    case NodeType::kCppFunction:
+      return RG_NODE_CPP_FUNCTION;
+    default:
+      return RG_NODE_GENERIC;
+  }
+}
+
+rg_node_kind kind_of(Node& node) {
+  return kind_of(node_type(node));
+}
+
+// Empties a map: clear() zeroes an unordered_map's buckets also when it is empty, as most
+// of the maps a collector empties for every node are.
+template <typename Map>
+void clear_map(Map& map) {
+  if (!map.empty()) {
+    map.clear();
+  }
 }
 
 // TensorArgs keeps the SavedVariable -> TensorArg map that compiled_args fills private.
@@ -261,12 +306,20 @@ template struct PrivateAccess<TensorArgsNextId, &TensorArgs::_next_id>;
 // graph. Saved values are replay inputs one per SavedVariable, so which of them alias does
 // not change the replay.
 void reset_tensor_args(TensorArgs& args) {
-  saved_variable_map(args).clear();
-  (args.*get(TensorArgsArgs())).clear();
+  clear_map(saved_variable_map(args));
+  clear_map(args.*get(TensorArgsArgs()));
   args.inputs.clear();
   args.input_origins.clear();
   args.*get(TensorArgsNextId()) = 1;
 }
+
+// A CompiledNodeArgs's key is emptied through its private size, so that one serves every
+// node a collector visits.
+struct CompiledNodeArgsKeySize {
+  using type = size_t CompiledNodeArgs::*;
+  friend type get(CompiledNodeArgsKeySize);
+};
+template struct PrivateAccess<CompiledNodeArgsKeySize, &CompiledNodeArgs::_specialization_key_size>;
 
 // The engine replays a GraphTask's delayed warnings with a method libtorch does not export;
 // these read its queue (and the grad mode a GraphTask runs with) the same way.
@@ -614,11 +667,19 @@ static std::optional<WrappedValue> wrapped_value(const c10::TensorImpl* impl) {
 
 // Deterministic slot order of a visited node's saved variables: by TensorArg id (ids follow
 // the collection order; equal ids mean the same tensor, so their relative order is moot).
-using SlotOrder = std::vector<std::pair<std::pair<uint32_t, uintptr_t>, const SavedVariable*>>;
+struct Slot {
+  const SavedVariable* sv;
+  TensorArg* arg;
+  bool operator<(const Slot& other) const {
+    return std::make_pair(arg->id, reinterpret_cast<uintptr_t>(sv)) <
+           std::make_pair(other.arg->id, reinterpret_cast<uintptr_t>(other.sv));
+  }
+};
+using SlotOrder = std::vector<Slot>;
 void ordered_slots(const SavedVariableMap& unpacked, SlotOrder& out) {
   out.clear();
   for (const auto& [sv, arg] : unpacked) {
-    out.push_back({{arg->id, reinterpret_cast<uintptr_t>(sv)}, sv});
+    out.push_back({sv, arg});
   }
   std::sort(out.begin(), out.end());
 }
@@ -656,15 +717,14 @@ bool edge_dims(const Node& node, std::vector<int64_t>& out) {
 // Whether a node's apply_with_saved runs through the compiler interface's call_function
 // (see LiftedApply): torch's generated formulas and CopyBackwards (copy_, e.g. of an indexed
 // assignment `x[i] = y`).
-bool has_functional_form(const Node& node) {
-  return std::strncmp(typeid(node).name(), kGeneratedPrefix, std::strlen(kGeneratedPrefix)) == 0 ||
-         typeid(node) == typeid(torch::autograd::CopyBackwards);
+bool has_functional_form(Node& node) {
+  return node_type(node) == NodeType::kFormula;
 }
 
 // The node whose formula a lifted apply of `node` runs: the in-place op's node for a
 // CopySlices (which wraps it), the node itself otherwise.
 Node& formula_node(Node& node) {
-  if (typeid(node) == typeid(torch::autograd::CopySlices)) {
+  if (node_type(node) == NodeType::kCopySlices) {
     const auto& fn = static_cast<torch::autograd::CopySlices&>(node).fn;
     if (fn) {
       return *fn;
@@ -931,6 +991,10 @@ PyMethodDef buffer_sum_def = {"buffer_sum", reinterpret_cast<PyCFunction>(buffer
 
 struct rg_collector {
   AutogradCompilerCall compiler{SizeInput::STATIC};
+  // One node call and one CompiledNodeArgs for all visits (the args' key is emptied before
+  // each): CompiledNodeArgs allocates its key buffer when it is made.
+  NodeCall node_call{0, nullptr};
+  CompiledNodeArgs args{compiler, node_call};
   std::vector<const SavedVariable*> svs;
   std::vector<at::Tensor> values;
   // Each value's version when planned (0 for an undefined one).
@@ -940,7 +1004,7 @@ struct rg_collector {
   // The visited node's hooked saved variables, reused across visits.
   HookedOrder hooked;
   // The visited node's saved variables by (TensorArg id, address), reused across visits.
-  std::vector<std::pair<std::pair<uint32_t, uintptr_t>, const SavedVariable*>> order;
+  SlotOrder order;
   // A tensor saved more than once (by several nodes, or twice by one) gets one value, the
   // one of its first slot (index into `values`): a compiled replay then takes it as one
   // input, as torch's compiled autograd does. Keyed by the unpacked tensor, which its value
@@ -1460,25 +1524,39 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
   AutogradCompilerCall& compiler = c->compiler;
   SavedVariableMap& unpacked = saved_variable_map(compiler.tensor_args);
   reset_tensor_args(compiler.tensor_args);
-  compiler.sv_to_hooks.clear();
+  clear_map(compiler.sv_to_hooks);
   compiler.hooks.clear();
   compiler.packed_inputs.clear();
   // The node's sizes are copied to c->sizes below: torch's list need not keep every node's.
   compiler.all_size_inputs.clear();
   size_t ivalues_before = compiler.lifted_ivalue_args.args.size();
 
-  auto node_ptr = node.getptr();
   // One node at a time: the previous node's call is not needed any more, and a map of all
   // of them would only grow (rehashing) and be freed at the end.
-  compiler.node_calls.clear();
-  torch::dynamo::autograd::NodeCall node_call(0, std::move(node_ptr));
-  CompiledNodeArgs args(compiler, node_call);
+  clear_map(compiler.node_calls);
+  NodeCall& node_call = c->node_call;
+  node_call.tensor_pre_hooks.clear();
+  node_call.cpp_tensor_pre_hooks.clear();
+  node_call.pre_hooks.clear();
+  node_call.post_hooks.clear();
+  node_call.post_acc_grad_hooks.clear();
+  node_call.graph_output.clear();
+  // The node is lent to the call for the visit, without a reference of its own (the plan
+  // holds one): released, not dropped, when the visit ends.
+  node_call.node = c10::intrusive_ptr<Node>::reclaim(&node);
+  struct Lent {
+    c10::intrusive_ptr<Node>& node;
+    ~Lent() { (void)node.release(); }
+  } lent{node_call.node};
+  CompiledNodeArgs& args = c->args;
+  args.*get(CompiledNodeArgsKeySize()) = 0;
+  const NodeType type = node_type(node);
   auto opaque = [&] {
     *supported = 0;
     *key_len = 0;
     *n_sizes = 0;
-    unpacked.clear();
-    compiler.sv_to_hooks.clear();
+    clear_map(unpacked);
+    clear_map(compiler.sv_to_hooks);
     return RG_OK;
   };
   try {
@@ -1491,7 +1569,7 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
   // CopySlices runs the node of the in-place op it wraps: traced only when that node is one
   // of torch's own (a custom Function's backward must run as itself, every call). Nothing
   // derives from CopySlices, so its type is compared (a dynamic_cast per node costs more).
-  if (typeid(node) == typeid(torch::autograd::CopySlices)) {
+  if (type == NodeType::kCopySlices) {
     const auto& copy_slices = static_cast<torch::autograd::CopySlices&>(node);
     if (!copy_slices.fn || kind_of(*copy_slices.fn) != RG_NODE_GENERIC) {
       return opaque();
@@ -1504,7 +1582,7 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
   // unpack at run time (appended as undefined slots); any other runs as itself.
   PyObject* unpack_hook = nullptr;
   if (!compiler.sv_to_hooks.empty()) {
-    if (kind_of(node) == RG_NODE_GENERIC) {
+    if (kind_of(type) == RG_NODE_GENERIC) {
       unpack_hook = deferrable_unpack_hook(compiler);
     }
     if (unpack_hook == nullptr) {
@@ -1513,7 +1591,7 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
   }
   auto node_key = args.key();
   c->key.assign(node_key.key, node_key.key + node_key.key_size);
-  if (kind_of(node) == RG_NODE_PYTHON &&
+  if (type == NodeType::kPython &&
       (!append_ctx_state(static_cast<torch::autograd::PyNode&>(node).pyobj(), c->key) ||
        !plain_saved_objects(unpacked, compiler.tensor_args.inputs))) {
     return opaque();
@@ -1534,8 +1612,7 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
   auto& plain = c->order;
   ordered_slots(unpacked, plain);
   const size_t scalars_before = c->scalars.size();
-  for (const auto& [order, sv] : plain) {
-    const TensorArg* arg = unpacked.at(sv);
+  for (const auto& [sv, arg] : plain) {
     at::Tensor value;
     if (arg->defined()) {
       const at::Tensor& source = compiler.tensor_args.inputs[arg->index()];
@@ -1593,8 +1670,8 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
   *key_len = c->key.size();
   *sizes = c->sizes.data();
   *n_sizes = c->sizes.size();
-  unpacked.clear();
-  compiler.sv_to_hooks.clear();
+  clear_map(unpacked);
+  clear_map(compiler.sv_to_hooks);
   RG_CATCH
 }
 
@@ -1878,8 +1955,9 @@ rg_status rg_node_apply_lifted(rg_node* n, const rg_tensor* const* inputs, size_
       !compiler.lifted_ivalue_args.args.empty()) {
     return fail(RG_KIND_RUNTIME, "rg_node_apply_lifted: the node's state is not the planned one");
   }
-  for (size_t i = 0; i < n_saved; ++i) {
-    TensorArg* arg = unpacked.at(slots[i].second);
+  // Hooked saved values come after these (see below).
+  for (size_t i = 0; i < slots.size(); ++i) {
+    TensorArg* arg = slots[i].arg;
     if (arg->defined()) {
       if (!saved[i]) {
         return fail(RG_KIND_RUNTIME, "rg_node_apply_lifted: a saved value is missing");
