@@ -279,12 +279,27 @@ impl NodeKind {
     }
 }
 
+/// `typeid(*node).name()`: a NUL-terminated string in a library's static data, stable for the
+/// process; its address tells the C++ type (read as a string only for a type not seen yet).
+#[derive(Clone, Copy, Debug)]
+pub struct TypeName(NonNull<c_char>);
+
+impl TypeName {
+    pub fn address(self) -> usize {
+        self.0.as_ptr() as usize
+    }
+
+    pub fn to_cstr(self) -> &'static CStr {
+        // SAFETY: a typeid name: NUL-terminated, in static storage.
+        unsafe { CStr::from_ptr(self.0.as_ptr()) }
+    }
+}
+
 /// The per-node facts one shim call returns.
 #[derive(Clone, Copy, Debug)]
 pub struct NodeInfo {
     pub sequence_nr: u64,
-    /// `typeid(*node).name()`: static storage inside libtorch, stable for the process.
-    pub type_name: &'static CStr,
+    pub type_name: TypeName,
     pub kind: NodeKind,
     pub num_inputs: u32,
     pub num_outputs: u32,
@@ -426,8 +441,10 @@ impl NodeRef {
         let mut meta_cap = META_CAP;
         let mut meta_len = 0usize;
         loop {
-            meta.resize(meta_start + meta_cap, 0);
-            // SAFETY: the node is alive while self is; each buffer holds its stated capacity.
+            // Written by the shim, not zeroed first (a memset of the whole capacity per node).
+            meta.reserve(meta_cap);
+            // SAFETY: the node is alive while self is; each buffer holds its stated capacity
+            // (the metadata buffer: `meta_cap` bytes of spare capacity).
             check(unsafe {
                 rg_node_describe(
                     self.as_ptr(),
@@ -435,7 +452,7 @@ impl NodeRef {
                     edge_buf.as_mut_ptr(),
                     nr_buf.as_mut_ptr(),
                     EDGE_CAP,
-                    meta[meta_start..].as_mut_ptr(),
+                    meta.spare_capacity_mut().as_mut_ptr().cast::<u8>(),
                     meta_cap,
                     &mut meta_len,
                 )
@@ -446,7 +463,9 @@ impl NodeRef {
             // Many or high-dimensional inputs: ask again with room for all of them.
             meta_cap = meta_len;
         }
-        meta.truncate(meta_start + meta_len);
+        // SAFETY: the shim wrote the first `meta_len` (<= `meta_cap`) bytes of the spare
+        // capacity.
+        unsafe { meta.set_len(meta_start + meta_len) };
         let num_outputs = raw.num_outputs as usize;
         if num_outputs <= EDGE_CAP {
             nodes.extend(edge_buf[..num_outputs].iter().map(|&p| NonNull::new(p)));
@@ -454,8 +473,9 @@ impl NodeRef {
         } else {
             self.next_edges(raw.num_outputs, nodes, input_nrs)?;
         }
-        // SAFETY: typeid names are NUL-terminated strings in the library's static data.
-        let type_name = unsafe { CStr::from_ptr(raw.type_name) };
+        let type_name = NonNull::new(raw.type_name.cast_mut())
+            .map(TypeName)
+            .ok_or_else(|| ShimError::new(ErrorKind::Runtime, "rg_node_describe gave no type name"))?;
         Ok(NodeInfo {
             sequence_nr: raw.sequence_nr,
             type_name,
@@ -497,20 +517,10 @@ impl NodeRef {
         Ok(())
     }
 
-    /// Hints the CPU to load the node object (its first cache lines: the fields a visit
-    /// reads, saved variables of small nodes included) before it is visited.
+    /// See [`prefetch_node`].
     #[inline]
     pub fn prefetch(&self) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            let start = self.as_ptr() as *const i8;
-            for line in 0..NODE_PREFETCH_LINES {
-                // SAFETY: a prefetch never faults; wrapping_add computes no out-of-bounds
-                // reference.
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(line * 64)) };
-            }
-        }
+        prefetch_node(self.0);
     }
 
     pub fn name(&self) -> Result<String, ShimError> {
@@ -918,6 +928,22 @@ pub struct VisitedNode<'a> {
 /// Cache lines [`NodeRef::prefetch`] loads: torch's Node base is about 600 bytes (edges,
 /// hook lists, input metadata), a generated node's saved variables follow.
 const NODE_PREFETCH_LINES: usize = 14;
+
+/// Hints the CPU to load a node object (its first cache lines: the fields a visit reads,
+/// saved variables of small nodes included) before it is described or visited.
+#[inline]
+pub fn prefetch_node(node: NonNull<RawNode>) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let start = node.as_ptr() as *const i8;
+        for line in 0..NODE_PREFETCH_LINES {
+            // SAFETY: a prefetch never faults; wrapping_add computes no out-of-bounds
+            // reference.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(line * 64)) };
+        }
+    }
+}
 
 /// The `compiled_args` visitor over a graph's nodes; accumulates their saved values.
 pub struct Collector(NonNull<RawCollector>);

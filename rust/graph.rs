@@ -4,12 +4,11 @@
 
 use std::cell::Cell;
 use std::collections::HashMap;
-use std::ffi::CStr;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::ptr::NonNull;
 
 use crate::errors::ShimError;
-use crate::ffi::{NodeKind, NodeRef, RawNode};
+use crate::ffi::{prefetch_node, NodeKind, NodeRef, RawNode, TypeName};
 
 /// Marks an invalid edge (the engine's `!edge.is_valid()`: an input that needs no grad).
 pub const NO_NODE: u32 = u32::MAX;
@@ -249,6 +248,9 @@ pub fn snapshot(roots: &[(NodeRef, u32)], outputs: &[Option<(NodeRef, u32)>]) ->
         edges: Vec::with_capacity(last.edges),
         ..Graph::default()
     };
+    // Nodes in discovery order, borrowed (reachable from the roots, so alive); each gets its
+    // strong reference in `handles` when it is described.
+    let mut discovered: Vec<NonNull<RawNode>> = Vec::with_capacity(last.nodes);
     let mut handles: Vec<NodeRef> = Vec::with_capacity(last.nodes);
     let mut index: PtrMap<u32> = PtrMap::with_capacity_and_hasher(last.nodes, Default::default());
     // Type display names: one name() call per C++ type. Python Functions all share the
@@ -256,25 +258,24 @@ pub fn snapshot(roots: &[(NodeRef, u32)], outputs: &[Option<(NodeRef, u32)>]) ->
     let mut types_by_typeid: PtrMap<u32> = PtrMap::default();
     let mut types_by_name: HashMap<String, u32> = HashMap::new();
 
-    let mut discover = |node: NonNull<RawNode>, handles: &mut Vec<NodeRef>| -> u32 {
+    let mut discover = |node: NonNull<RawNode>, discovered: &mut Vec<NonNull<RawNode>>| -> u32 {
         let key = node.as_ptr() as usize;
         if let Some(&i) = index.get(&key) {
             return i;
         }
-        let i = handles.len() as u32;
+        let i = discovered.len() as u32;
         index.insert(key, i);
-        // SAFETY: the node is reachable from a node we hold, so it is alive.
-        let handle = unsafe { NodeRef::from_borrowed(node) };
-        // Its fields are read when it is described, soon: load them all at once now.
-        handle.prefetch();
-        handles.push(handle);
+        // Its fields are read when it is described: load them now. (Its reference count is
+        // incremented then too: an atomic increment would wait here for the load.)
+        prefetch_node(node);
+        discovered.push(node);
         i
     };
 
     for (node, input_nr) in roots {
         // SAFETY: `node` is a live reference owned by the caller.
         let ptr = unsafe { NonNull::new_unchecked(node.as_ptr()) };
-        let i = discover(ptr, &mut handles);
+        let i = discover(ptr, &mut discovered);
         graph.roots.push(Edge::new(i, *input_nr));
     }
 
@@ -286,9 +287,11 @@ pub fn snapshot(roots: &[(NodeRef, u32)], outputs: &[Option<(NodeRef, u32)>]) ->
     let mut nested_inputs = false;
     graph.edge_start.push(0);
     let mut n = 0usize;
-    while n < handles.len() {
+    while n < discovered.len() {
         next_nodes.clear();
         input_nrs.clear();
+        // SAFETY: the node is reachable from the roots the caller holds, so it is alive.
+        handles.push(unsafe { NodeRef::from_borrowed(discovered[n]) });
         let info = handles[n].describe(&mut next_nodes, &mut input_nrs, &mut input_meta)?;
         meta_start.push(input_meta.len() as u32);
         nested_inputs |= info.nested_inputs;
@@ -300,7 +303,7 @@ pub fn snapshot(roots: &[(NodeRef, u32)], outputs: &[Option<(NodeRef, u32)>]) ->
                 next
             })
         } else {
-            let key = info.type_name.as_ptr() as usize;
+            let key = info.type_name.address();
             match types_by_typeid.get(&key) {
                 Some(&t) => t,
                 None => {
@@ -328,7 +331,7 @@ pub fn snapshot(roots: &[(NodeRef, u32)], outputs: &[Option<(NodeRef, u32)>]) ->
 
         for (next, &input_nr) in next_nodes.iter().zip(&input_nrs) {
             let edge = match next {
-                Some(ptr) => Edge::new(discover(*ptr, &mut handles), input_nr),
+                Some(ptr) => Edge::new(discover(*ptr, &mut discovered), input_nr),
                 None => Edge::INVALID,
             };
             graph.edges.push(edge);
@@ -360,10 +363,10 @@ pub fn snapshot(roots: &[(NodeRef, u32)], outputs: &[Option<(NodeRef, u32)>]) ->
     })
 }
 
-fn display_name(node: &NodeRef, type_name: &CStr) -> Result<String, ShimError> {
+fn display_name(node: &NodeRef, type_name: TypeName) -> Result<String, ShimError> {
     let name = node.name()?;
     if name.is_empty() {
-        return Ok(type_name.to_string_lossy().into_owned());
+        return Ok(type_name.to_cstr().to_string_lossy().into_owned());
     }
     Ok(name)
 }
