@@ -1173,7 +1173,9 @@ rg_status rg_node_describe(rg_node* n, rg_node_info* info, rg_node** nodes, uint
     head[4] = static_cast<int32_t>(shape.size());
     put(head, sizeof head);
     for (const auto& d : shape) {
-      int64_t v = d.guard_int(__FILE__, __LINE__);
+      // (guard_int is a call; a plain int, the usual case, is read inline.)
+      const auto plain = d.maybe_as_int();
+      int64_t v = plain ? *plain : d.guard_int(__FILE__, __LINE__);
       put(&v, sizeof v);
     }
   }
@@ -1494,8 +1496,8 @@ static at::Tensor replay_value(const at::Tensor& unpacked) {
 // counter, and indexes it back in the graph.
 static bool liftable_scalar(const at::Tensor& value) {
   const c10::TensorImpl* impl = value.unsafeGetTensorImpl();
-  return plain_dense(impl) && impl->dim() == 0 && impl->device_type() == c10::kCPU &&
-         impl->dtype() == caffe2::TypeMeta::Make<double>() && !value.requires_grad();
+  return impl->dim() == 0 && impl->dtype() == caffe2::TypeMeta::Make<double>() &&
+         impl->device_type() == c10::kCPU && plain_dense(impl) && !value.requires_grad();
 }
 
 static at::Tensor lifted_scalar(const at::Tensor& value) {
@@ -1598,8 +1600,10 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
   }
   // The sizes of a generated node, or of a CopySlices wrapping one, can be lifted (see
   // rg_node_apply_lifted).
-  Node& formula = formula_node(node);
-  if (compiler.lifted_ivalue_args.args.size() == ivalues_before && has_functional_form(formula) &&
+  Node& formula = type == NodeType::kCopySlices ? formula_node(node) : node;
+  const bool functional = type == NodeType::kCopySlices ? has_functional_form(formula)
+                                                        : type == NodeType::kFormula;
+  if (compiler.lifted_ivalue_args.args.size() == ivalues_before && functional &&
       liftable_type(formula)) {
     *lifted = 1;
   }
