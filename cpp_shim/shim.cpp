@@ -1496,8 +1496,9 @@ static at::Tensor replay_value(const at::Tensor& unpacked) {
 // counter, and indexes it back in the graph.
 static bool liftable_scalar(const at::Tensor& value) {
   const c10::TensorImpl* impl = value.unsafeGetTensorImpl();
-  return impl->dim() == 0 && impl->dtype() == caffe2::TypeMeta::Make<double>() &&
-         impl->device_type() == c10::kCPU && plain_dense(impl) && !value.requires_grad();
+  // (The dtype, a field, first; dim() only of a plain tensor: a subclass's asks Python.)
+  return impl->dtype() == caffe2::TypeMeta::Make<double>() && plain_dense(impl) &&
+         impl->dim() == 0 && impl->device_type() == c10::kCPU && !value.requires_grad();
 }
 
 static at::Tensor lifted_scalar(const at::Tensor& value) {
