@@ -347,6 +347,19 @@ def test_checkpointed_blocks_over_changing_batch_sizes_compile_one_replay():
     assert (after.misses - before.misses, after.hits - before.hits) == (1, 3)
 
 
+def test_checkpointed_nodes_are_traced_with_symbolic_sizes():
+    """A checkpointed node's formula is traced on its unpacked values with symbolic sizes,
+    inside the graph: no step goes outside it as a formula that takes no symbolic sizes (the
+    traced apply once read past a node's plain saved values into its hooked ones, failed,
+    and the step and its node type were run and keyed with static sizes instead)."""
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    for batch in (5, 8):
+        compare(functools.partial(_checkpointed_blocks, batch=batch), "aot_eager")
+    outside = [reason for reason in counters["graph_break"] if "no symbolic sizes" in reason]
+    assert outside == []
+
+
 @pytest.mark.parametrize("compiler", FAST_COMPILERS)
 def test_compiled_forward(compiler):
     def run(backward):
