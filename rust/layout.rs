@@ -201,6 +201,9 @@ impl KeyParts {
 /// long as a load from memory, and nodes of a large graph are not in the cache.
 const PREFETCH_STEPS: usize = 3;
 
+/// Bytes of step digests hashed in one update (see `layout`).
+const DIGEST_BLOCK: usize = 4096;
+
 fn put_u32(buf: &mut Vec<u8>, v: u32) {
     buf.extend_from_slice(&v.to_le_bytes());
 }
@@ -223,7 +226,8 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
     hash_u32(&mut hasher, graph.outputs.len() as u32);
 
     let mut parts = KeyParts::default();
-    let mut digest_bytes = Vec::with_capacity(schedule.len() * std::mem::size_of::<StepDigest>());
+    // The steps' digests are hashed in blocks: a stateful update per digest costs more.
+    let mut digest_bytes = Vec::with_capacity(DIGEST_BLOCK + std::mem::size_of::<StepDigest>());
     let mut num_saved = 0u32;
     let mut sizes = Vec::new();
     // Unpack hook (its address) -> group number, in order of first appearance.
@@ -338,6 +342,10 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
         for d in digest {
             digest_bytes.extend_from_slice(&d.to_le_bytes());
         }
+        if digest_bytes.len() >= DIGEST_BLOCK {
+            hasher.update(&digest_bytes);
+            digest_bytes.clear();
+        }
         digests.push(digest);
         steps.push(StepLayout {
             mode,
@@ -348,7 +356,6 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
             group,
         });
     }
-    // One update over all steps' digests: a stateful update per digest costs more.
     hasher.update(&digest_bytes);
     collector.end_visits();
     let svs = collector.saved_variables()?;
