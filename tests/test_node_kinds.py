@@ -350,8 +350,9 @@ def test_checkpointed_blocks_over_changing_batch_sizes_compile_one_replay():
 def test_checkpointed_nodes_are_traced_with_symbolic_sizes():
     """A checkpointed node's formula is traced on its unpacked values with symbolic sizes,
     inside the graph: no step goes outside it as a formula that takes no symbolic sizes (the
-    traced apply once read past a node's plain saved values into its hooked ones, failed,
-    and the step and its node type were run and keyed with static sizes instead)."""
+    traced apply once read past a node's plain saved values into its hooked ones and failed:
+    the step broke the graph, or, where no break is allowed, its node type was keyed on
+    static sizes from then on)."""
     counters = torch._dynamo.utils.counters
     counters.clear()
     for batch in (5, 8):
