@@ -1601,10 +1601,8 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
   }
   // The sizes of a generated node, or of a CopySlices wrapping one, can be lifted (see
   // rg_node_apply_lifted).
-  Node& formula = type == NodeType::kCopySlices ? formula_node(node) : node;
-  const bool functional = type == NodeType::kCopySlices ? has_functional_form(formula)
-                                                        : type == NodeType::kFormula;
-  if (compiler.lifted_ivalue_args.args.size() == ivalues_before && functional &&
+  Node& formula = formula_node(node);
+  if (compiler.lifted_ivalue_args.args.size() == ivalues_before && has_functional_form(formula) &&
       liftable_type(formula)) {
     *lifted = 1;
   }
