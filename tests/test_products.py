@@ -342,3 +342,36 @@ def test_blocks_are_sized_by_the_first_batch():
     # Blocks of four steps at 3 rows; other batch sizes (dynamic) keep them.
     source = unrolled_cell(10, [3, 7, 2, 12], aot)
     assert (factored(source), blocks(source)) == (2, 4)
+
+
+@pytest.mark.parametrize("compiler", FACTORING)
+def test_a_backward_under_autocast_takes_the_products_of_its_nodes(compiler):
+    # Under autocast a matrix product is made in low precision, and the engine casts each
+    # product's gradient to the weight's dtype (validate_outputs) before it is summed or
+    # accumulated: factors handed back (or blocks summed in the graph) would give the weight
+    # a bfloat16 .grad. Calls alternate between autocast and none; the first is into no .grad.
+    # The eager cell's call and replaygrad's take the same inputs.
+    xs = iter([x for x in [torch.randn(4, 3, 16) for _ in range(4)] for _ in range(2)])
+
+    def step(cell):
+        h = torch.zeros(3, 16)
+        for x in next(xs):
+            h = cell(x, h)
+        loss = h.square().sum()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=len(seen[id(cell)]) % 2 == 0):
+            loss.backward()
+        seen[id(cell)].append([p.grad.clone() for p in cell.parameters()])
+
+    seen: dict[int, list] = {}
+    torch.manual_seed(0)
+    eager = torch.nn.GRUCell(16, 16)
+    rg = copy.deepcopy(eager)
+    seen[id(eager)], seen[id(rg)] = [], []
+    for _ in range(4):
+        step(eager)
+        with replaygrad.enable(compiler):
+            step(rg)
+    for expected, got in zip(seen[id(eager)], seen[id(rg)]):
+        for e, g in zip(expected, got):
+            assert g.dtype == e.dtype == torch.float32
+            torch.testing.assert_close(g, e, rtol=2e-2, atol=2e-2 * e.abs().max().item())

@@ -927,10 +927,15 @@ def retained(grad: Any) -> Any:
 def _stacked(a: tuple, b: tuple, acc: Any) -> tuple[Any, Any] | None:
     """The factors of :func:`product_factors` and :func:`product_sum` stacked, ``A.t() @
     B`` being the sum of the products ``a[k].t() @ b[k]``; None where they are no plain real
-    matrices of one dtype (that of ``acc``, the sum so far, if any). Traced, the choice is
-    guarded like any other branch on a tensor's type."""
+    matrices of one dtype (that of ``acc``, the sum so far, if any), or where autocast is on
+    for their device: there each product is made in its own precision and cast to the
+    weight's dtype before it is summed (the engine's validate_outputs), so the nodes form
+    the gradient. Traced, the choice is guarded like any other branch on a tensor's type
+    (and on the autocast state, which Dynamo guards on)."""
     factors = (*a, *b)
     first = factors[0] if acc is None else acc
+    if first is None or torch.is_autocast_enabled(first.device.type):
+        return None
     plain = all(
         t is not None
         and t.layout == torch.strided
