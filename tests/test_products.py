@@ -375,3 +375,14 @@ def test_a_backward_under_autocast_takes_the_products_of_its_nodes(compiler):
         for e, g in zip(expected, got):
             assert g.dtype == e.dtype == torch.float32
             torch.testing.assert_close(g, e, rtol=2e-2, atol=2e-2 * e.abs().max().item())
+
+
+def test_weights_on_a_device_without_autocast():
+    # Whether autocast is on is asked only of devices that have it (meta has not: asking
+    # raises).
+    w = torch.randn(8, 8, device="meta", requires_grad=True)
+    x = torch.randn(4, 8, device="meta")
+    for _ in range(2):
+        replaygrad.backward((x @ w).sum(), compiler=aot)
+    assert (w.grad.shape, w.grad.device, w.grad.dtype) == (w.shape, w.device, w.dtype)
+    assert_factored_where_compiled(aot)

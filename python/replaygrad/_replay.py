@@ -934,7 +934,7 @@ def _stacked(a: tuple, b: tuple, acc: Any) -> tuple[Any, Any] | None:
     (and on the autocast state, which Dynamo guards on)."""
     factors = (*a, *b)
     first = factors[0] if acc is None else acc
-    if first is None or torch.is_autocast_enabled(first.device.type):
+    if first is None or _autocast(first.device.type):
         return None
     plain = all(
         t is not None
@@ -947,6 +947,12 @@ def _stacked(a: tuple, b: tuple, acc: Any) -> tuple[Any, Any] | None:
     if not plain:
         return None
     return (a[0], b[0]) if len(a) == 1 else (torch.cat(a), torch.cat(b))
+
+
+def _autocast(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` (devices without autocast, e.g. meta,
+    have it off)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
 def product_sum(grad: Any, a: tuple, b: tuple, acc: Any = None, prior: Any = None) -> Any:
