@@ -1501,6 +1501,21 @@ static bool liftable_scalar(const at::Tensor& value) {
          impl->dim() == 0 && impl->device_type() == c10::kCPU && !value.requires_grad();
 }
 
+// Whether every gradient `node` takes has dimensions. A wrapped number lifted and indexed
+// back in the graph is a plain 0-dim tensor: with a 0-dim gradient (`loss * 0.1`, `loss`
+// 0-dim) type promotion then computes in float64, where eager's wrapped number leaves the
+// product in the gradient's dtype (rounded once, not twice). Nested and unknown shapes count
+// as 0-dim.
+static bool takes_dimensioned_gradients(const Node& node) {
+  for (uint32_t i = 0; i < node.num_inputs(); ++i) {
+    const auto& m = node.input_metadata(i);
+    if (m.is_nested_tensor() || m.is_cpp_nested_tensor() || m.shape_as_dim_vector().empty()) {
+      return false;
+    }
+  }
+  return true;
+}
+
 static at::Tensor lifted_scalar(const at::Tensor& value) {
   auto impl = value.unsafeGetTensorImpl()->shallow_copy_and_detach(
       torch::autograd::impl::version_counter(value), /*allow_tensor_metadata_change=*/true);
@@ -1615,6 +1630,18 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
   auto& plain = c->order;
   ordered_slots(unpacked, plain);
   const size_t scalars_before = c->scalars.size();
+  // Whether the node's wrapped numbers may be lifted (see takes_dimensioned_gradients),
+  // found when the first one is met: -1 not yet known.
+  int lifts_wrapped = -1;
+  auto may_lift = [&](const c10::TensorImpl* impl) {
+    if (!impl->is_wrapped_number()) {
+      return true;
+    }
+    if (lifts_wrapped < 0) {
+      lifts_wrapped = takes_dimensioned_gradients(node) && takes_dimensioned_gradients(formula);
+    }
+    return lifts_wrapped == 1;
+  };
   for (const auto& [sv, arg] : plain) {
     at::Tensor value;
     if (arg->defined()) {
@@ -1631,7 +1658,7 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
         if (!value.is_same(source)) {
           c->sources.push_back(source);
         }
-        if (liftable_scalar(value)) {
+        if (liftable_scalar(value) && may_lift(impl)) {
           c->scalars.emplace_back(slot, lifted_scalar(value));
         }
       } else {
@@ -1641,7 +1668,7 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
         }
         auto lifted = std::lower_bound(c->scalars.begin(), c->scalars.end(), first,
                                        [](const auto& s, size_t i) { return s.first < i; });
-        if (lifted != c->scalars.end() && lifted->first == first) {
+        if (lifted != c->scalars.end() && lifted->first == first && may_lift(impl)) {
           c->scalars.emplace_back(slot, lifted->second);
         }
       }
