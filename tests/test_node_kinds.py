@@ -441,8 +441,9 @@ def test_gradient_of_in_place_ops_on_two_views_with_inductor(options):
 @pytest.mark.parametrize("options", [{}, {"mode": "max-autotune-no-cudagraphs"}])
 def test_gradient_penalty_through_scatter_add_on_a_view_with_inductor(options):
     # With inductor's reordering for locality off (and fusion on), the double backward of
-    # scatter_add_ on a slice read the scatter's buffer before the scatter wrote it: a
-    # region tracing an in-place op on a view compiles without fusion too.
+    # scatter_add_ on a slice read the scatter's buffer before the scatter wrote it (the bug
+    # replaygrad._compile._mend_inductor_scheduler mends; such regions compiled without
+    # fusion before).
     def run(backward):
         torch.manual_seed(0)
         x = torch.randn(4, 5, requires_grad=True)
@@ -851,6 +852,53 @@ def test_a_tensor_saved_by_reductions_and_a_scatter(compiler):
         w = torch.randn(6, 7, requires_grad=True)
         backward(w.kthvalue(2, dim=1)[0].sum() + w.max() + w.amax(1).sum())
         return [], grads_of([w])
+
+    compare(run, compiler)
+
+
+def _poolings(x):
+    p, idx = F.max_pool2d(x, 2, return_indices=True)
+    return (
+        F.max_unpool2d(p * 2, idx, 2).pow(2).sum()
+        + F.adaptive_max_pool2d(x, (4, 3)).sum()
+        + F.adaptive_avg_pool2d(x, 4).pow(2).sum()
+        + F.avg_pool2d(x, 3, stride=2, padding=1, count_include_pad=False).sum()
+    )
+
+
+#: Sums of gradients, one of them a scatter's (into a zero-filled buffer), that torch 2.13's
+#: inductor compiled wrong on CPU (also under plain torch.compile): the node reading the
+#: scatter's buffer was fused with a node of other, compatible loop ranges, which recomputed
+#: its dependencies without the scatter's, and the fused kernel read the buffer before the
+#: scatter wrote it. Each lost its scatter's term (max diff 1.0, 18.9, 1.0).
+_SCATTER_SUMS = {
+    "selections": (
+        (3, 6),
+        lambda x: (
+            x.median(1)[0].sum()
+            + x.cummax(1)[0].sum()
+            + x.logcumsumexp(1).sum()
+            + x.cumprod(1).sum()
+            + torch.nanmedian(x)
+            + x.msort().sum()
+        ),
+    ),
+    "poolings": ((1, 2, 6, 6), _poolings),
+    "maxima": ((6, 7), lambda a: a.max(1)[0].sum() + a.min() + a.amax(0).sum() + a.max()),
+}
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("case", sorted(_SCATTER_SUMS))
+def test_a_scatter_read_by_a_node_fused_with_other_loop_ranges(case, compiler):
+    shape, loss_of = _SCATTER_SUMS[case]
+
+    def run(backward):
+        torch.manual_seed(1)
+        x = torch.randn(shape, requires_grad=True)
+        backward(loss_of(x))
+        backward(loss_of(x))  # the cached replay
+        return [], grads_of([x])
 
     compare(run, compiler)
 

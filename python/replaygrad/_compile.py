@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import os
@@ -137,6 +138,8 @@ def _compile(
     compiler = config.compiler
     if compiler is None:
         return fn
+    if compiler == "inductor" or not isinstance(compiler, str):
+        _mend_inductor_scheduler()
     try:
         if isinstance(compiler, str):
             # torch.compile pops entries (guard_filter_fn) from the options it is given:
@@ -157,6 +160,49 @@ def _compile(
     except Exception as error:
         error.__replaygrad_compile_failed__ = True  # type: ignore[attr-defined]
         raise
+
+
+_mend_lock = threading.Lock()
+_mended = False
+
+
+def _mend_inductor_scheduler() -> None:
+    """Mends a bug of torch 2.13's inductor that loses gradients. A scatter writes into a
+    zero-filled buffer, and the scheduler renames a later node's read of that buffer to the
+    scatter's output, so that the node runs after the scatter. When the CPU backend fuses
+    such a node with one of compatible loop ranges (e.g. ``(72,)`` and ``(2, 6, 6)``), it
+    recomputes the node's loop body and reads (``SchedulerNode.recompute_size_and_body``)
+    and applies the renames again only to a node that also has ordering-only dependencies.
+    Otherwise the read depends on the zero fill alone, and the fused kernel can read the
+    buffer before the scatter writes it: a sum of several selecting or pooling ops'
+    gradients lost a term (also under plain ``torch.compile`` and torch's compiled
+    autograd). The method is wrapped to apply the renames to every recomputed node, for the
+    whole process: installed at replaygrad's first compile that may use inductor, and only
+    where the method has that form (a torch that renames anyway is left as it is)."""
+    global _mended
+    with _mend_lock:
+        if _mended:
+            return
+        _mended = True
+        from torch._inductor.dependencies import StarDep, WeakDep
+        from torch._inductor.scheduler import SchedulerNode
+
+        original = SchedulerNode.recompute_size_and_body
+        try:
+            renames_only_with_fake_deps = "if fake_deps:" in inspect.getsource(original)
+        except (OSError, TypeError):
+            renames_only_with_fake_deps = False
+        if not renames_only_with_fake_deps:
+            return
+
+        @functools.wraps(original)
+        def recompute_size_and_body(self: Any, *args: Any, **kwargs: Any) -> None:
+            renamed = any(isinstance(d, (WeakDep, StarDep)) for d in self.read_writes.reads)
+            original(self, *args, **kwargs)
+            if not renamed and self.mutation_renames:
+                self.set_read_writes(self.read_writes.rename(self.mutation_renames))
+
+        SchedulerNode.recompute_size_and_body = recompute_size_and_body
 
 
 def _capturing(compiled: Callable[..., Any]) -> Callable[..., Any]:
@@ -188,13 +234,11 @@ _INDUCTOR_DEFAULTS = {
 
 #: And for regions that trace a CopySlices step (an in-place op on a view). Its traced form
 #: writes a window of a copy of its gradient (``as_strided_scatter``, which inductor turns
-#: into an in-place write), and inductor's scheduler (torch 2.13) can order a read of that
-#: buffer after the write: with its reordering for locality, the double backward of two
-#: in-place ops on views lost gradients (as under torch's compiled autograd); without it,
-#: fusion put a read of a ``scatter_add`` buffer before the scatter (the double backward of
-#: ``scatter_add_`` on a slice). Neither happens with the reordering off and no fusion,
-#: which these regions give up.
-_INDUCTOR_VIEW_OPTIONS = {"reorder_for_locality": False, "max_fusion_size": 1}
+#: into an in-place write), and inductor's reordering for locality (torch 2.13) can move a
+#: read of that buffer after the write: the double backward of two in-place ops on views
+#: lost gradients (as under torch's compiled autograd). (These regions also compiled without
+#: fusion until 2026-12-07, for the bug :func:`_mend_inductor_scheduler` mends.)
+_INDUCTOR_VIEW_OPTIONS = {"reorder_for_locality": False}
 
 
 def _inductor_kwargs(kwargs: dict[str, Any], views: bool = False) -> dict[str, Any]:
