@@ -639,6 +639,11 @@ DIM_OPS: dict[str, tuple[Callable[[torch.Tensor, int], torch.Tensor], bool, bool
     "flip": (lambda x, d: x.flip(d), False, False),
     "mean_dim": (lambda x, d: x.mean(d), False, False),
     "norm_dim": (lambda x, d: x.norm(dim=d), True, True),
+    # Backwards that scatter into a zero-filled buffer (the indices saved, not the values).
+    "max_dim": (lambda x, d: x.max(d)[0], False, False),
+    "median_dim": (lambda x, d: x.median(d)[0], False, False),
+    "cummax": (lambda x, d: x.cummax(d)[0], False, False),
+    "sort": (lambda x, d: x.sort(d)[0], False, False),
 }
 
 
