@@ -109,7 +109,7 @@ def _patch_torch(install: bool) -> None:
         _ca_module.set_autograd_compiler = _set_autograd_compiler
         torch._dynamo.compiled_autograd._disable = _ca_disable
         torch._C._current_autograd_node = current_autograd_node
-        torch.autograd._engine_run_backward = _engine_run_backward
+        torch.autograd._engine_run_backward = _engine_run_backward_outside_dynamo
     else:
         _ca_module.set_autograd_compiler = _torch_set_autograd_compiler
         torch._dynamo.compiled_autograd._disable = _torch_ca_disable
@@ -146,6 +146,15 @@ def _engine_run_backward(outputs: Any, *args: Any, **kwargs: Any) -> tuple:
         return _torch_engine_run_backward(outputs, *args, **kwargs)
     finally:
         _tls.planned = None
+
+
+#: What is installed: a function compiled with ``torch.compile`` that calls
+#: ``autograd.grad`` or ``backward()`` breaks its graph there, and Dynamo runs the call with
+#: its frame evaluation on, compiling every Python frame the call enters that is not
+#: torch's: here, the whole replay (hundreds of frames, graph breaks and warnings about
+#: replaygrad's builtins). The call runs outside Dynamo, as the engine's C++ does; the
+#: replay's regions, compiled with their own ``torch.compile``, still run compiled.
+_engine_run_backward_outside_dynamo = torch.compiler.disable(_engine_run_backward)
 
 
 #: The input types :func:`_grad_without_engine` takes: a Parameter is a plain tensor to the
