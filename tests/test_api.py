@@ -92,8 +92,8 @@ def test_inductor_options_dict_is_a_cache_key(compile_calls):
 def test_inductor_options_replaygrad_sets(compile_calls):
     """Dynamo's guards check every input's sizes and strides before a compiled replay runs:
     inductor's asserts of the same are left out. A region with an in-place op on a view
-    (CopySlices) compiles without reordering for locality (inductor miscompiles such graphs
-    otherwise; see test_node_kinds). Unless the options say
+    (CopySlices) compiles without reordering for locality and without fusion (inductor
+    miscompiles such graphs otherwise; see test_node_kinds). Unless the options say
     otherwise; a mode is passed as its options, with these."""
     w = torch.randn(3, requires_grad=True)
     replaygrad.backward(loss_of(w), compiler="inductor")
@@ -105,7 +105,7 @@ def test_inductor_options_replaygrad_sets(compile_calls):
     replaygrad.backward(y.sum(), compiler="inductor")
     replaygrad.backward(loss_of(w), compiler="inductor", options={"max_fusion_size": 8})
     autotune = torch._inductor.list_mode_options("max-autotune-no-cudagraphs")
-    views = {"size_asserts": False, "reorder_for_locality": False}
+    views = {"size_asserts": False, "reorder_for_locality": False, "max_fusion_size": 1}
     assert compile_calls == [
         {"backend": "inductor", "options": {"size_asserts": False}},
         {"backend": "inductor", "options": {"size_asserts": True}},

@@ -481,8 +481,8 @@ def test_gradient_of_in_place_ops_on_two_views_with_inductor(options):
 def test_gradient_penalty_through_scatter_add_on_a_view_with_inductor(options):
     # With inductor's reordering for locality off (and fusion on), the double backward of
     # scatter_add_ on a slice read the scatter's buffer before the scatter wrote it (the bug
-    # replaygrad._compile._mend_inductor_scheduler mends; such regions compiled without
-    # fusion before).
+    # replaygrad._compile._mend_inductor_scheduler mends); a region tracing an in-place op
+    # on a view also compiles without fusion (for another bug of inductor's).
     def run(backward):
         torch.manual_seed(0)
         x = torch.randn(4, 5, requires_grad=True)

@@ -234,11 +234,14 @@ _INDUCTOR_DEFAULTS = {
 
 #: And for regions that trace a CopySlices step (an in-place op on a view). Its traced form
 #: writes a window of a copy of its gradient (``as_strided_scatter``, which inductor turns
-#: into an in-place write), and inductor's reordering for locality (torch 2.13) can move a
-#: read of that buffer after the write: the double backward of two in-place ops on views
-#: lost gradients (as under torch's compiled autograd). (These regions also compiled without
-#: fusion until 2026-12-07, for the bug :func:`_mend_inductor_scheduler` mends.)
-_INDUCTOR_VIEW_OPTIONS = {"reorder_for_locality": False}
+#: into an in-place write), and inductor (torch 2.13) miscompiles some such graphs: with its
+#: reordering for locality, the double backward of two in-place ops on views lost gradients
+#: (as under torch's compiled autograd); with fusion, the CPU backend's outer-loop fusion
+#: looked up a read of the written buffer in a node that does not read it and failed
+#: (``KeyError``, PyTorch's test_lobpcg: a double backward through ``lobpcg``), and before
+#: :func:`_mend_inductor_scheduler` read a ``scatter_add`` buffer before the scatter (the
+#: double backward of ``scatter_add_`` on a slice). These regions give up both.
+_INDUCTOR_VIEW_OPTIONS = {"reorder_for_locality": False, "max_fusion_size": 1}
 
 
 def _inductor_kwargs(kwargs: dict[str, Any], views: bool = False) -> dict[str, Any]:
