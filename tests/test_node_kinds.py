@@ -405,7 +405,7 @@ def test_a_compiled_function_calling_autograd_grad(compiler):
                 x = torch.randn(4, 6)
                 with replaygrad.enable(compiler) if enabled else contextlib.nullcontext():
                     outs.append(step(x))
-        ours = [str(w.message) for w in caught if "replaygrad" in str(w.message)]
+        ours = [str(m.message) for m in caught if "replaygrad" in str(m.message)]
         return outs, ours, counters["frames"]["total"]
 
     expected, _, eager_frames = run(False)
