@@ -578,6 +578,41 @@ def test_hook_on_an_expanded_gradient_under_fullgraph(how):
     assert_same(tuple(expected_grads), tuple(got_grads), False, "grads")
 
 
+class _Doubles(torch.autograd.Function):
+    """Not traceable: a graph break in the replay."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_traced_hook_and_a_graph_break_under_a_fullgraph_callable(backend):
+    # The first call starts over twice: the hook kept in the graph, then the regions cut at
+    # the graph break, which moves the hooks out of the graph. The call went on with the
+    # hooks as taken for the graph and failed (AttributeError: 'list' object has no
+    # attribute 'dict').
+    compiler = torch.compile(backend=backend, fullgraph=True)
+
+    def run(backward):
+        log = []
+        w = torch.linspace(-1, 1, 4, requires_grad=True)
+        for _ in range(2):
+            h = _Doubles.apply((w * 1.5).tanh())
+            h.register_hook(lambda g: log.append(("h", summary(g))))
+            backward(h.sin().sum())
+        return log, grads_of([w])
+
+    expected_log, expected_grads = run(eager_backward)
+    got_log, got_grads = run(lambda loss: replaygrad.backward(loss, compiler=compiler))
+    assert_logs_equal(expected_log, got_log, exact=False)
+    assert_same(tuple(expected_grads), tuple(got_grads), False, "grads")
+
+
 @pytest.mark.parametrize("compiler", FAST_COMPILERS)
 def test_traced_hook_failing_on_the_traced_values_raises_as_in_eager(compiler):
     # The hook's error comes up while the compiler traces it (on fake tensors): the call

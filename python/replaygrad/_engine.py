@@ -481,8 +481,12 @@ def _call_until_done(
                     error.__replaygrad_remedied__ = True  # type: ignore[attr-defined]
                 raise
         run.pending.clear()
-        if _apply_remedy(remedy, entry, plan, config):
-            args = (*args[:3], hook_arguments(plan.hook_dicts(), in_graph=False))
+        in_graph = entry.replay.hooks_in_graph
+        _apply_remedy(remedy, entry, plan, config)
+        if entry.replay.hooks_in_graph != in_graph:
+            # Moved out of the graph (also by regions cut at the graph breaks): the hooks
+            # are taken as their dicts.
+            args = (*args[:3], hook_arguments(plan.hook_dicts(), entry.replay.hooks_in_graph))
 
 
 def _remedy(
@@ -514,20 +518,17 @@ def _remedy(
     return None
 
 
-def _apply_remedy(remedy: str | set[int], entry: Entry, plan: _core.Plan, config: Config) -> bool:
-    """Rebuilds ``entry``'s replay with ``remedy`` (see :func:`_remedy`); True if its hooks
-    moved outside the graph."""
+def _apply_remedy(remedy: str | set[int], entry: Entry, plan: _core.Plan, config: Config) -> None:
+    """Rebuilds ``entry``'s replay with ``remedy`` (see :func:`_remedy`)."""
     if remedy == "in graph":
         cache.keep_hooks_in_graph(entry, plan, config)
     elif remedy == "between regions":
         cache.run_outside_between_regions(entry, plan, config)
     elif remedy == "outside":
         cache.move_hooks_outside(entry, plan, config, "compiling its traced hooks failed")
-        return True
     else:
         assert isinstance(remedy, set)
         cache.run_as_themselves(entry, plan, config, remedy)
-    return False
 
 
 def _hooks_changed_during(
