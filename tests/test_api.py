@@ -81,7 +81,8 @@ def test_inductor_options_dict_is_a_cache_key(compile_calls):
     for _ in range(2):
         with replaygrad.enable("inductor", options={"size_asserts": False}):
             loss_of(w).backward()
-    assert seen == [{"backend": "inductor", "options": {"size_asserts": False}}]
+    ours = {"size_asserts": False, "fallback_random": True}
+    assert seen == [{"backend": "inductor", "options": ours}]
     assert replaygrad.cache_info()[:2] == (1, 1)
     with replaygrad.enable("inductor", options={"size_asserts": True}):
         loss_of(w).backward()
@@ -91,10 +92,11 @@ def test_inductor_options_dict_is_a_cache_key(compile_calls):
 
 def test_inductor_options_replaygrad_sets(compile_calls):
     """Dynamo's guards check every input's sizes and strides before a compiled replay runs:
-    inductor's asserts of the same are left out. A region with an in-place op on a view
-    (CopySlices) compiles without reordering for locality and without fusion (inductor
-    miscompiles such graphs otherwise; see test_node_kinds). Unless the options say
-    otherwise; a mode is passed as its options, with these."""
+    inductor's asserts of the same are left out; random ops draw from torch's generator. A
+    region with an in-place op on a view (CopySlices) compiles without reordering for
+    locality and without fusion (inductor miscompiles such graphs otherwise; see
+    test_node_kinds). Unless the options say otherwise; a mode is passed as its options,
+    with these."""
     w = torch.randn(3, requires_grad=True)
     replaygrad.backward(loss_of(w), compiler="inductor")
     replaygrad.backward(loss_of(w), compiler="inductor", options={"size_asserts": True})
@@ -105,14 +107,15 @@ def test_inductor_options_replaygrad_sets(compile_calls):
     replaygrad.backward(y.sum(), compiler="inductor")
     replaygrad.backward(loss_of(w), compiler="inductor", options={"max_fusion_size": 8})
     autotune = torch._inductor.list_mode_options("max-autotune-no-cudagraphs")
-    views = {"size_asserts": False, "reorder_for_locality": False, "max_fusion_size": 1}
+    ours = {"size_asserts": False, "fallback_random": True}
+    views = {**ours, "reorder_for_locality": False, "max_fusion_size": 1}
     assert compile_calls == [
-        {"backend": "inductor", "options": {"size_asserts": False}},
-        {"backend": "inductor", "options": {"size_asserts": True}},
-        {"backend": "inductor", "options": {"size_asserts": False}},
-        {"backend": "inductor", "options": {"size_asserts": False, **autotune}},
+        {"backend": "inductor", "options": ours},
+        {"backend": "inductor", "options": {**ours, "size_asserts": True}},
+        {"backend": "inductor", "options": ours},
+        {"backend": "inductor", "options": {**ours, **autotune}},
         {"backend": "inductor", "options": views},
-        {"backend": "inductor", "options": {"size_asserts": False, "max_fusion_size": 8}},
+        {"backend": "inductor", "options": {**ours, "max_fusion_size": 8}},
     ]
     expected = 5 * (w.exp() * w + w.exp()) + torch.tensor([1.0, 2.0, 2.0])
     torch.testing.assert_close(w.grad, expected)

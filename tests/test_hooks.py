@@ -578,6 +578,24 @@ def test_hook_on_an_expanded_gradient_under_fullgraph(how):
     assert_same(tuple(expected_grads), tuple(got_grads), False, "grads")
 
 
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_a_hook_drawing_random_numbers(compiler):
+    # Gradient dropout in a tensor hook: the same mask as in eager, and torch's generator
+    # left where eager leaves it (inductor drew from its own generator before 2026-12-07).
+    def run(backward):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        after = []
+        for _ in range(2):
+            h = model[0](torch.randn(4, 5))
+            h.register_hook(lambda g: g * (torch.rand_like(g) > 0.5))
+            backward(model[2](model[1](h)).sum())
+            after.append(torch.rand(3))
+        return after, grads_of(model.parameters())
+
+    compare(run, compiler)
+
+
 class _Doubles(torch.autograd.Function):
     """Not traceable: a graph break in the replay."""
 

@@ -230,6 +230,9 @@ _INDUCTOR_DEFAULTS = {
     # Inductor asserts every input's sizes and strides on each call, which Dynamo's guards
     # have just checked: a replay has hundreds of inputs (its saved values).
     "size_asserts": False,
+    # Random ops (in hooks, custom Functions' backwards) draw from torch's generator as in
+    # eager, not from inductor's own: the same values, and the same state after the call.
+    "fallback_random": True,
 }
 
 #: And for regions that trace a CopySlices step (an in-place op on a view). Its traced form
