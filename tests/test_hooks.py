@@ -596,18 +596,6 @@ def test_a_hook_drawing_random_numbers(compiler):
     compare(run, compiler)
 
 
-class _Doubles(torch.autograd.Function):
-    """Not traceable: a graph break in the replay."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 2
-
-
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_traced_hook_and_a_graph_break_under_a_fullgraph_callable(backend):
     # The first call starts over twice: the hook kept in the graph, then the regions cut at
@@ -620,7 +608,7 @@ def test_traced_hook_and_a_graph_break_under_a_fullgraph_callable(backend):
         log = []
         w = torch.linspace(-1, 1, 4, requires_grad=True)
         for _ in range(2):
-            h = _Doubles.apply((w * 1.5).tanh())
+            h = Doubling.apply((w * 1.5).tanh())
             h.register_hook(lambda g: log.append(("h", summary(g))))
             backward(h.sin().sum())
         return log, grads_of([w])

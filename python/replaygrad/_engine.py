@@ -484,8 +484,8 @@ def _call_until_done(
         in_graph = entry.replay.hooks_in_graph
         _apply_remedy(remedy, entry, plan, config)
         if entry.replay.hooks_in_graph != in_graph:
-            # Moved out of the graph (also by regions cut at the graph breaks): the hooks
-            # are taken as their dicts.
+            # A rebuild moved the hooks (regions cut at the graph breaks move them out of
+            # the graph too): the call starts over with them in the form its replay takes.
             args = (*args[:3], hook_arguments(plan.hook_dicts(), entry.replay.hooks_in_graph))
 
 
