@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import resource
+import subprocess
+import sys
 import threading
 
+import pytest
 import torch
 
 import replaygrad
@@ -24,6 +28,39 @@ def test_hundred_thousand_node_graph_plans_and_replays():
     replaygrad.backward(loss, compiler=None)
     assert_replayed(before)
     torch.testing.assert_close(x.grad, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("compiler", ["None", "lambda fn: fn"])
+def test_a_long_chain_is_freed_after_its_replay(compiler):
+    """torch 2.13 frees the nodes that have a Python object (which a node keeps once given
+    one) recursively, one after the other, where it frees the others iteratively: replays
+    that made objects for every node of a long chain (to read their saved state) crashed
+    when the graph was freed, which eager frees. Run with a 1 MB stack, so that a chain of
+    20,002 nodes is long enough. A compiler callable takes the weight's gradient from the
+    matrix product's factors (see ``_products``)."""
+    script = (
+        "import torch, replaygrad\n"
+        "torch.manual_seed(0)\n"
+        "w = torch.randn(4, 4, requires_grad=True)\n"
+        "h = torch.randn(3, 4).mm(w)\n"
+        "for _ in range(10_000):\n"
+        "    h = h * 1.0001 + 0.001\n"
+        "loss = h.sum()\n"
+        "(expected,) = torch.autograd.grad(loss, w, retain_graph=True)\n"
+        f"replaygrad.backward(loss, compiler={compiler})\n"
+        "torch.testing.assert_close(w.grad, expected)\n"
+        "del loss, h\n"
+        "print('freed')\n"
+    )
+    hard = resource.getrlimit(resource.RLIMIT_STACK)[1]
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_STACK, (1 << 20, hard)),
+    )
+    assert (result.returncode, result.stdout) == (0, "freed\n"), result.stderr[-2000:]
 
 
 def test_two_threads_with_independent_models():

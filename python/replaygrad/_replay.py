@@ -1154,11 +1154,13 @@ def steps_run_as_themselves(plan: _core.Plan, steps: list) -> frozenset[int]:
       are dynamic it fails to compile (``'FloorDiv' object cannot be interpreted as an
       integer``), whatever the scale.
     """
-    candidates = [s for s, step in enumerate(steps) if step[2] == "traced"]
-    if not candidates:
-        return frozenset()
-    nodes = plan.nodes()
-    return frozenset(s for s in candidates if _runs_as_itself(nodes[s]))
+    return frozenset(
+        s
+        for s, step in enumerate(steps)
+        if step[2] == "traced"
+        and step[0] in _CHECKED_NODES
+        and _runs_as_itself(plan.node_object(s))
+    )
 
 
 #: The saved flags of torch's generated nodes that make their gradients sparse.
@@ -1169,6 +1171,29 @@ _AVG_POOL_DIMS = {"AvgPool2DBackward0": 2, "AvgPool3DBackward0": 3}
 
 #: Nodes that run as themselves whatever their saved state.
 _ALWAYS_THEMSELVES = frozenset({"PutBackward0", "UpsampleNearest2DBackward0", "LinalgEigBackward0"})
+
+#: The nodes :func:`_runs_as_itself` looks at. Only their Python objects are made: a node
+#: given one keeps it, and torch 2.13 frees such nodes recursively (a node's object frees
+#: the next node's), so that a long chain of them overflows the stack when the graph is
+#: freed, where the engine frees a graph of nodes without objects iteratively.
+_CHECKED_NODES = (
+    _ALWAYS_THEMSELVES
+    | frozenset(
+        name
+        for name, cls in vars(torch._C._functions).items()
+        if isinstance(cls, type) and any(hasattr(cls, flag) for flag in _SPARSE_FLAGS)
+    )
+    | frozenset(
+        {
+            "LeakyReluBackward1",
+            "EluBackward1",
+            "CeluBackward1",
+            "RreluWithNoiseBackward1",
+            "LinalgEighBackward0",
+            *_AVG_POOL_DIMS,
+        }
+    )
+)
 
 
 def _runs_as_itself(node: Any) -> bool:
@@ -1336,10 +1361,8 @@ def _products(
     :func:`product_sum`), or the one the replay hands back (or adds to the others,
     :func:`product_factors`)."""
     out = {}
-    nodes: list | None = None
 
     def factors(p: int, index: int) -> tuple[int, int, bool, int] | None:
-        nonlocal nodes
         source = p
         transposed = p >= 0 and steps[p][0] == "TBackward0"
         if transposed:
@@ -1354,10 +1377,8 @@ def _products(
         mat1 = a if _MATMULS[steps[p][0]][1] and a not in absent else a + 1
         if b - a != 2 or mat1 in absent:
             return None
-        if steps[p][0] == "AddmmBackward0":
-            nodes = plan.nodes() if nodes is None else nodes
-            if nodes[p]._saved_alpha != 1:
-                return None
+        if steps[p][0] == "AddmmBackward0" and plan.node_object(p)._saved_alpha != 1:
+            return None
         return p, mat1, transposed, source
 
     for s, step in enumerate(steps):
@@ -1365,8 +1386,7 @@ def _products(
             continue
         found = [factors(p, index) for p, index in step[8][0]]
         if all(found):
-            nodes = plan.nodes() if nodes is None else nodes
-            out[s] = (tuple(nodes[s].variable.shape), tuple(sorted(found)))
+            out[s] = (tuple(plan.node_object(s).variable.shape), tuple(sorted(found)))
     return out
 
 
