@@ -81,10 +81,10 @@ def test_chains_of_other_lengths_reuse_the_repeated_region(backend):
     assert len(compiles) == len(keys[0] | keys[1])
 
 
-@pytest.mark.parametrize("compiler", [None, "aot_eager"])
+@pytest.mark.parametrize("compiler", ["python", None, "aot_eager"])
 def test_hooks_in_many_regions_run_as_in_eager(compiler):
-    if compiler is None:
-        compiler = counting([])  # regions, run as Python
+    if compiler == "python":
+        compiler = counting([])  # compiled regions, run as Python
 
     def run(backward):
         torch.manual_seed(0)
@@ -109,10 +109,10 @@ def test_hooks_in_many_regions_run_as_in_eager(compiler):
     compare(run, compiler)
 
 
-@pytest.mark.parametrize("compiler", [None, "aot_eager"])
+@pytest.mark.parametrize("compiler", ["python", None, "aot_eager"])
 def test_grad_captures_inputs_across_regions(compiler):
-    if compiler is None:
-        compiler = counting([])
+    if compiler == "python":
+        compiler = counting([])  # compiled regions, run as Python
     leaf, w = torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True)
     y = leaf
     middles = []
@@ -131,10 +131,10 @@ class Raise(Exception):
     pass
 
 
-@pytest.mark.parametrize("compiler", [None, "aot_eager"])
+@pytest.mark.parametrize("compiler", ["python", None, "aot_eager"])
 def test_an_error_in_a_late_region_keeps_the_earlier_accumulations(compiler):
-    if compiler is None:
-        compiler = counting([])
+    if compiler == "python":
+        compiler = counting([])  # compiled regions, run as Python
 
     def fail(g):
         raise Raise("hook")
@@ -216,6 +216,21 @@ def test_fullgraph_with_a_traced_hook_in_a_region():
 def test_region_size_must_be_a_positive_int(bad, error):
     with pytest.raises(error, match="region size"):
         replaygrad.set_region_size(bad)
+
+
+def test_uncompiled_replays_run_in_regions_one_function_per_key():
+    leaf, w = torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True)
+    chain(leaf, w).backward()
+    expected = grads_of([leaf, w])
+    for _ in range(2):
+        leaf.grad = w.grad = None
+        replaygrad.backward(chain(leaf, w), compiler=None)
+        assert_grads_equal(expected, grads_of([leaf, w]), exact=True)
+    (entry,) = cache._entries.values()
+    regions = entry.replay.regions
+    assert len(regions) >= 7
+    functions = {id(entry.replay.fn.__globals__[f"R{r}"]) for r in range(len(regions))}
+    assert len(functions) == len({r.key for r in regions}) <= 3
 
 
 def test_no_regions_with_none():

@@ -225,10 +225,11 @@ def set_cache_size(maxsize: int) -> None:
 
 
 def set_region_size(steps: int | None) -> None:
-    """Splits compiled replays of graphs with more than ``3 * steps`` engine steps into
-    regions of about ``steps`` steps, each compiled on its own; regions of the same
-    structure (layers, unrolled steps, a long chain) share one compiled function, so a
-    graph of repeated structure compiles in about the time of its first regions. ``None``:
+    """Splits replays of graphs with more than ``3 * steps`` engine steps into regions of
+    about ``steps`` steps, each compiled on its own (uncompiled replays: each a Python
+    function); regions of the same structure (layers, unrolled steps, a long chain) share
+    one compiled function, so a graph of repeated structure compiles in about the time of
+    its first regions. ``None``:
     one region, however large the graph. Applies to replays compiled after the call. The
     default is 300, or ``REPLAYGRAD_REGION_SIZE`` (a number, or ``none``) when set."""
     cache.set_region_size(steps)

@@ -542,18 +542,21 @@ class ReplayCache:
         :func:`_capturing`; ``breakless``: see :func:`replaygrad._replay.regions` (always
         under ``fullgraph=True``)."""
 
-        def compile_region(region: Region, fn: types.FunctionType) -> Callable[..., Any]:
+        def compile_region(
+            region: Region, make: Callable[[], types.FunctionType]
+        ) -> Callable[..., Any]:
             captures = any(region.start <= s < region.end for s in capture)
             key = (config, region.key, captures)
             with self._lock:
                 compiled = self._regions.get(key)
             if compiled is None:
+                fn = make()
                 compiled = _Compiled(_compile(fn, config, region.in_place_on_views, captures), fn)
                 with self._lock:
                     self._regions[key] = compiled
             return compiled
 
-        size = self.region_size if config.compiler is not None else None
+        size = self.region_size
         saved, scalars = replay_inputs(plan) if config.compiler is not None else ((), frozenset())
         replay = build(
             plan,

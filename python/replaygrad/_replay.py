@@ -1860,7 +1860,7 @@ def _driver_source(
 
 def build(
     plan: _core.Plan,
-    compile_region: Callable[[Region, FunctionType], Callable[..., Any]],
+    compile_region: Callable[[Region, Callable[[], FunctionType]], Callable[..., Any]],
     hooks_in_graph: bool = True,
     opaque: frozenset[int] = frozenset(),
     region_size: int | None = None,
@@ -1872,9 +1872,10 @@ def build(
     scalars: frozenset[int] = frozenset(),
 ) -> Replay:
     """Generates the replay of ``plan``, each region's function compiled by
-    ``compile_region(region, fn)``. ``uncompiled``: the regions run as Python (no compiler
-    traces them): their steps run as :func:`apply_uncompiled`, they call the hooks nodes got
-    during the backward (:func:`new_tensor_pre_hooks`), and they sum gradients in
+    ``compile_region(region, make)``, ``make()`` making the function. ``uncompiled``: the
+    regions run as Python (no compiler traces them): their steps run as
+    :func:`apply_uncompiled`, they call the hooks nodes got during the backward
+    (:func:`new_tensor_pre_hooks`), and they sum gradients in
     place where the engine would (``_core.buffer_sum``; :func:`buffer_sum`, which compilers
     trace, always makes new sums). ``breakless``: see :func:`regions`; there the steps with
     hooked saved values run as themselves (the unpack of a checkpointed block's values is a
@@ -1910,14 +1911,26 @@ def build(
             "buffer_sum": _core.buffer_sum,
             "new_tensor_pre_hooks": new_tensor_pre_hooks,
         }
-    # The generated functions are taken out of the scopes they were defined in (their
-    # globals), so that no cycle holds them: a replay and its regions are freed as soon
-    # as the cache drops them (see _compile._Compiled).
-    for r, g in enumerate(found):
+
+    def make(g: Region) -> FunctionType:
+        """The function of region ``g``, taken out of the scope it was defined in (its
+        globals), so that no cycle holds it: a replay and its regions are freed as soon as
+        the cache drops them (see _compile._Compiled)."""
         scope: dict[str, Any] = dict(runtime)
         exec(compile(g.source, f"<replaygrad region {g.key[:12]}>", "exec"), scope)
-        region = scope.pop("region")
-        namespace[f"R{r}"] = compile_region(g, region) if g.compiled else region
+        return scope.pop("region")
+
+    # Regions of one key (one source) run one function; compiled ones make theirs only
+    # where no compiled region of theirs is cached (a long chain's hundreds of regions
+    # have three keys).
+    functions: dict[str, FunctionType] = {}
+    for r, g in enumerate(found):
+        if g.compiled:
+            namespace[f"R{r}"] = compile_region(g, lambda g=g: make(g))
+        else:
+            if g.key not in functions:
+                functions[g.key] = make(g)
+            namespace[f"R{r}"] = functions[g.key]
     driver = _driver_source(steps, found, plan.num_captures, hooks_in_graph)
     exec(compile(driver, f"<replaygrad replay {plan.key[:12]}>", "exec"), namespace)
     unpacks = [step for region in found for step in region.unpacks]
