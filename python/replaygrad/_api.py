@@ -229,9 +229,9 @@ def set_region_size(steps: int | None) -> None:
     about ``steps`` steps, each compiled on its own (uncompiled replays: each a Python
     function); regions of the same structure (layers, unrolled steps, a long chain) share
     one compiled function, so a graph of repeated structure compiles in about the time of
-    its first regions. ``None``:
-    one region, however large the graph. Applies to replays compiled after the call. The
-    default is 300, or ``REPLAYGRAD_REGION_SIZE`` (a number, or ``none``) when set."""
+    its first regions. ``None``: one region, however large the graph. Applies to replays
+    built after the call. The default is 300, or ``REPLAYGRAD_REGION_SIZE`` (a number, or
+    ``none``) when set."""
     cache.set_region_size(steps)
 
 
