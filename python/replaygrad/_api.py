@@ -151,12 +151,13 @@ class Plan:
 
     @property
     def source(self) -> str:
-        """The generated Python source of the replay as a compiler runs it: the driver,
-        then its regions (one unless the graph has more than ``3 * region_size`` steps,
-        see :func:`set_region_size`)."""
-        # A graph with nested tensors replays uncompiled, as one region.
-        size = None if self._plan.nested_inputs else cache.region_size
-        return generate_source(self._plan, region_size=size)
+        """The generated Python source of the replay as a compiler runs it (uncompiled for
+        a graph with nested tensors, which replays so): the driver, then its regions (one
+        unless the graph has more than ``3 * region_size`` steps, see
+        :func:`set_region_size`)."""
+        return generate_source(
+            self._plan, region_size=cache.region_size, compiled=not self._plan.nested_inputs
+        )
 
     def explain(self) -> str:
         """A table of the steps (node, sequence_nr, inputs, saved values, mode, hooks)

@@ -1109,10 +1109,12 @@ def generate_source(
     hooks_in_graph: bool = True,
     opaque: frozenset[int] = frozenset(),
     region_size: int | None = None,
+    compiled: bool = True,
 ) -> str:
-    """The replay source of ``plan``: the driver, then its regions (see :func:`regions`)."""
+    """The replay source of ``plan``: the driver, then its regions (see :func:`regions`);
+    ``compiled``: as a compiler runs it (see :func:`replay_inputs`)."""
     steps = plan.steps()
-    saved, scalars = replay_inputs(plan) if region_size is not None else ((), frozenset())
+    saved, scalars = replay_inputs(plan) if compiled else ((), frozenset())
     opaque = opaque | steps_run_as_themselves(plan, steps)
     found = regions(plan, steps, hooks_in_graph, opaque, region_size, saved, scalars=scalars)
     return _replay_source(found, _driver_source(steps, found, plan.num_captures, hooks_in_graph))
