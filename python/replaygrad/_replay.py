@@ -1159,9 +1159,7 @@ def steps_run_as_themselves(plan: _core.Plan, steps: list) -> frozenset[int]:
     return frozenset(
         s
         for s, step in enumerate(steps)
-        if step[2] == "traced"
-        and step[0] in _CHECKED_NODES
-        and _runs_as_itself(plan.node_object(s))
+        if step[2] == "traced" and _runs_as_itself(step[0], functools.partial(plan.node_object, s))
     )
 
 
@@ -1174,44 +1172,35 @@ _AVG_POOL_DIMS = {"AvgPool2DBackward0": 2, "AvgPool3DBackward0": 3}
 #: Nodes that run as themselves whatever their saved state.
 _ALWAYS_THEMSELVES = frozenset({"PutBackward0", "UpsampleNearest2DBackward0", "LinalgEigBackward0"})
 
-#: The nodes :func:`_runs_as_itself` looks at. Only their Python objects are made: a node
-#: given one keeps it, and torch 2.13 frees such nodes recursively (a node's object frees
-#: the next node's), so that a long chain of them overflows the stack when the graph is
-#: freed, where the engine frees a graph of nodes without objects iteratively.
-_CHECKED_NODES = (
-    _ALWAYS_THEMSELVES
-    | frozenset(
-        name
-        for name, cls in vars(torch._C._functions).items()
-        if isinstance(cls, type) and any(hasattr(cls, flag) for flag in _SPARSE_FLAGS)
-    )
-    | frozenset(
-        {
-            "LeakyReluBackward1",
-            "EluBackward1",
-            "CeluBackward1",
-            "RreluWithNoiseBackward1",
-            "LinalgEighBackward0",
-            *_AVG_POOL_DIMS,
-        }
-    )
+#: The generated nodes that have one of those flags.
+_SPARSE_NODES = frozenset(
+    name
+    for name, cls in vars(torch._C._functions).items()
+    if isinstance(cls, type) and any(hasattr(cls, flag) for flag in _SPARSE_FLAGS)
 )
 
 
-def _runs_as_itself(node: Any) -> bool:
-    """See :func:`steps_run_as_themselves`."""
-    if any(getattr(node, name, False) is True for name in _SPARSE_FLAGS):
-        return True
-    name = type(node).__name__
+def _runs_as_itself(name: str, node_object: Callable[[], Any]) -> bool:
+    """See :func:`steps_run_as_themselves`: whether a step whose node is a ``name`` runs as
+    itself. ``node_object()`` makes the node's Python object, only for the types whose saved
+    state tells: a node given one keeps it, and torch 2.13 frees such nodes recursively (a
+    node's object frees the next node's), so that a long chain of them overflows the stack
+    when the graph is freed, where the engine frees nodes without objects iteratively."""
     if name in _ALWAYS_THEMSELVES:
         return True
+    if name in _SPARSE_NODES:
+        node = node_object()
+        return any(getattr(node, flag, False) is True for flag in _SPARSE_FLAGS)
     if name in ("LeakyReluBackward1", "EluBackward1", "CeluBackward1"):
         # The backward of the in-place op, from its result: slopes below 0 raise.
+        node = node_object()
         slope = node._saved_negative_slope if name == "LeakyReluBackward1" else node._saved_alpha
         return slope < 0
     if name == "RreluWithNoiseBackward1":
+        node = node_object()
         return (node._saved_lower + node._saved_upper) / 2 < 0
     if name in _AVG_POOL_DIMS:
+        node = node_object()
         dims = _AVG_POOL_DIMS[name]
         overhang_divided_by_kernel = (
             node._saved_ceil_mode
@@ -1223,7 +1212,7 @@ def _runs_as_itself(node: Any) -> bool:
     if name == "LinalgEighBackward0":
         # Real eigenvectors have no phase to check. (Read from the gradient's metadata: the
         # saved value may be behind an unpack hook, e.g. checkpointing's.)
-        return node._input_metadata[1].dtype.is_complex
+        return node_object()._input_metadata[1].dtype.is_complex
     return False
 
 
