@@ -933,16 +933,25 @@ const NODE_PREFETCH_LINES: usize = 14;
 /// saved variables of small nodes included) before it is described or visited.
 #[inline]
 pub fn prefetch_node(node: NonNull<RawNode>) {
+    prefetch_lines(node.as_ptr() as usize);
+}
+
+/// Hints the CPU to load the [`NODE_PREFETCH_LINES`] cache lines from `address`, which need
+/// not be a node's (nor any object's): a prefetch never faults.
+#[inline]
+pub fn prefetch_lines(address: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        let start = node.as_ptr() as *const i8;
+        let start = address as *const i8;
         for line in 0..NODE_PREFETCH_LINES {
             // SAFETY: a prefetch never faults; wrapping_add computes no out-of-bounds
             // reference.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(line * 64)) };
         }
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = address;
 }
 
 /// The `compiled_args` visitor over a graph's nodes; accumulates their saved values.

@@ -8,7 +8,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::ptr::NonNull;
 
 use crate::errors::ShimError;
-use crate::ffi::{prefetch_node, NodeKind, NodeRef, RawNode, TypeName};
+use crate::ffi::{prefetch_lines, prefetch_node, NodeKind, NodeRef, RawNode, TypeName};
 
 /// Marks an invalid edge (the engine's `!edge.is_valid()`: an input that needs no grad).
 pub const NO_NODE: u32 = u32::MAX;
@@ -236,6 +236,9 @@ thread_local! {
     static LAST_SIZES: Cell<Sizes> = const { Cell::new(Sizes { nodes: 0, edges: 0, meta: 0 }) };
 }
 
+/// How far back [`snapshot`] looks, and so how far ahead it guesses, along a chain.
+const STRIDE_NODES: usize = 3;
+
 /// Walks the graph reachable from the root edges, breadth first (the engine's
 /// compute_dependencies visits the same set), holding a strong reference to every node.
 /// `outputs` are the edges of `inputs=` (None for an input without a node); they are
@@ -290,6 +293,16 @@ pub fn snapshot(roots: &[(NodeRef, u32)], outputs: &[Option<(NodeRef, u32)>]) ->
     while n < discovered.len() {
         next_nodes.clear();
         input_nrs.clear();
+        if n + 1 == discovered.len() && n >= STRIDE_NODES {
+            // A chain: the next node is known only once this one is described, and waiting
+            // for it to load is most of a walk over a graph larger than the cache. The nodes
+            // of a loop's ops are made one after another, mostly a constant stride apart:
+            // load where the stride of the last ones points, STRIDE_NODES ahead (a guess;
+            // where it is wrong, a useless load).
+            let here = discovered[n].as_ptr() as usize;
+            let back = discovered[n - STRIDE_NODES].as_ptr() as usize;
+            prefetch_lines(here.wrapping_add(here.wrapping_sub(back)));
+        }
         // SAFETY: the node is reachable from the roots the caller holds, so it is alive.
         handles.push(unsafe { NodeRef::from_borrowed(discovered[n]) });
         let info = handles[n].describe(&mut next_nodes, &mut input_nrs, &mut input_meta)?;
