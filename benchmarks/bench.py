@@ -51,6 +51,16 @@ the first call then compiles its graphs for real, while inductor's one-time set-
 machine (its vector-ISA probes, ~20 s here) is not counted. ``--disk-cache reuse`` keeps
 torch's usual directory (what a user re-running a script gets).
 
+glibc's malloc gives memory back to the system when the top of its heap holds more free
+memory than its trim threshold (128 KiB at first, then twice the largest block it has
+unmapped). A process whose heap happens to end in the blocks of one backward call (e.g. the
+weights' gradients, set to None before the next call) gives them back and faults them in
+again every call: seen here in processes of every system, up to ~1200 page faults and 1.5x
+the time of a call, depending on where earlier allocations happened to land. By default
+(``--malloc fixed``) the cells run with fixed thresholds that keep such memory
+(``GLIBC_TUNABLES``: trim threshold 1 GiB, mmap threshold 32 MiB), so that this does not
+decide a cell; ``--malloc default`` keeps glibc's.
+
 Results go to ``--out-md`` (markdown, also printed), the same path with ``.json`` (raw
 numbers) and ``--plot`` (time vs chain length).
 """
@@ -319,11 +329,20 @@ def unrelated(x: torch.Tensor) -> torch.Tensor:
 def compiler_setup(backend: str) -> float:
     """Seconds a process's first ``torch.compile`` with ``backend`` spends before compiling
     anything of its own, paid once per process whatever it compiles: imports and, for
-    inductor, its vector-ISA check (probe programs it runs in every process). Measured by
-    compiling :func:`unrelated` (whose graph the prepared disk cache holds); Dynamo's
-    counters are cleared after it."""
+    inductor, its vector-ISA check (probe programs it runs in every process), its disk
+    caches' set-up (e.g. the hash of torch's sources in their keys) and the registration of
+    its pattern-matcher passes (when it first lowers a graph). Measured by compiling
+    :func:`unrelated`, which the prepared disk cache holds; for inductor then once more with
+    its FX graph cache bypassed, so that it lowers the graph (its kernel still comes from the
+    disk cache). Dynamo's counters are cleared after it."""
     start = time.perf_counter()
     torch.compile(unrelated, backend=backend)(torch.randn(8))
+    if backend == "inductor":
+        import torch._inductor.config as inductor_config
+
+        torch._dynamo.reset()
+        with inductor_config.patch(fx_graph_cache=False):
+            torch.compile(unrelated, backend=backend)(torch.randn(8))
     seconds = time.perf_counter() - start
     torch._dynamo.utils.counters.clear()
     return seconds
@@ -427,14 +446,21 @@ def run_planning(sizes: list[int], reps: int) -> NoReturn:
     os._exit(0)
 
 
+#: glibc's malloc as ``--malloc fixed`` runs the cells (see the module's docstring).
+FIXED_MALLOC = "glibc.malloc.trim_threshold=1073741824:glibc.malloc.mmap_threshold=33554432"
+
+
 def run_child(
-    argv: list[str], cap: float, cache_dir: Path | None = None
+    argv: list[str], cap: float, cache_dir: Path | None = None, malloc: str = "default"
 ) -> tuple[list[dict[str, Any]], str | None]:
     """Runs ``bench.py argv`` in a fresh process for at most ``cap`` s, with torch's disk
-    caches in ``cache_dir`` (None: torch's default); returns its records and, if it timed out
-    or crashed, why."""
+    caches in ``cache_dir`` (None: torch's default) and glibc's malloc as ``malloc`` says
+    ("fixed": see :data:`FIXED_MALLOC`); returns its records and, if it timed out or crashed,
+    why."""
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv]
     env = dict(os.environ)
+    if malloc == "fixed":
+        env["GLIBC_TUNABLES"] = ":".join(filter(None, [env.get("GLIBC_TUNABLES"), FIXED_MALLOC]))
     if cache_dir is not None:
         env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
     # A session of its own, so that a timeout also ends the compile workers it started.
@@ -490,13 +516,14 @@ def _run_all(args: argparse.Namespace, template: Path | None) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "cap_s": args.cap,
         "disk_cache": args.disk_cache,
+        "malloc": args.malloc,
         "iters": iters,
         "steady_budget_s": budget,
         "cells": [],
     }
     sizes = QUICK_PLAN_SIZES if args.quick else PLAN_SIZES
     argv = ["--planning", *map(str, sizes), "--iters", "3" if args.quick else "10"]
-    results["planning"], results["planning_failure"] = run_child(argv, args.cap)
+    results["planning"], results["planning_failure"] = run_child(argv, args.cap, None, args.malloc)
     for workload in args.workloads:
         for system in SYSTEMS:
             argv = ["--child", workload, system, "--iters", str(iters), "--budget", str(budget)]
@@ -505,7 +532,7 @@ def _run_all(args: argparse.Namespace, template: Path | None) -> dict[str, Any]:
                 cache_dir = template.with_name(f"{workload}-{system}")
                 shutil.copytree(template, cache_dir)
             try:
-                records, failure = run_child(argv, args.cap, cache_dir)
+                records, failure = run_child(argv, args.cap, cache_dir, args.malloc)
             finally:
                 if cache_dir is not None:
                     shutil.rmtree(cache_dir, ignore_errors=True)
@@ -680,9 +707,11 @@ def planning_table(planning: list[dict[str, Any]]) -> list[str]:
 
 TABLE_NOTE = (
     "set-up: what the process's first torch.compile with the cell's backend took before "
-    "compiling anything of its own (imports, inductor's vector-ISA check, which runs probe "
-    "programs in every process), measured by compiling an unrelated function before the first "
-    "call; any torch.compile in a process pays it once. first call: the first backward, "
+    "compiling anything of its own (imports; inductor's vector-ISA check, which runs probe "
+    "programs in every process, its disk caches' set-up and the registration of its "
+    "pattern-matcher passes when it first lowers a graph), measured by compiling an unrelated "
+    "function before the first call (inductor: read back from the disk cache, then lowered); "
+    "any torch.compile in a process pays it once. first call: the first backward, "
     "compiling included, set-up excluded. compiles: compiled-autograd captures "
     "or replaygrad cache misses, and in parentheses the graphs Dynamo compiled where that "
     "differs. median/min/mean ms: wall time (the mean includes the cycle collector's pauses); "
@@ -715,6 +744,11 @@ DISK_CACHE_NOTE = {
     "reuse": "compiled cells used torch's default disk cache, so first calls may have read "
     "back graphs compiled by earlier runs.",
 }
+MALLOC_NOTE = {
+    "fixed": "glibc's malloc kept freed memory (trim threshold 1 GiB, mmap threshold 32 MiB), "
+    "so that no cell paid page faults for the memory a call's end gave back to the system.",
+    "default": "glibc's malloc ran with its default thresholds.",
+}
 PLANNING_NOTE = (
     "A chain graph planned repeatedly (after one warm-up call; cache hits). replaygrad "
     "`_core.plan`: the Rust planner each backward call runs; `replaygrad.plan`: the public "
@@ -741,6 +775,7 @@ def report(results: dict[str, Any]) -> str:
         f"{results['iters']} steady-state calls (or {results['steady_budget_s']:g} s) per cell, "
         f"compile cap {cap:g} s per cell. Times are of the backward call alone; "
         f"{DISK_CACHE_NOTE[results.get('disk_cache', 'reuse')]} "
+        f"{MALLOC_NOTE[results.get('malloc', 'default')]} "
         "`python benchmarks/bench.py --help` says more.",
         "",
         TABLE_NOTE,
@@ -819,6 +854,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="fresh",
         help="torch's disk caches per cell: an empty copy after inductor's one-time set-up "
         "(default), or torch's usual directory",
+    )
+    p.add_argument(
+        "--malloc",
+        choices=("fixed", "default"),
+        default="fixed",
+        help="glibc's malloc in the cells: thresholds that keep freed memory (default), or "
+        "glibc's own",
     )
     p.add_argument("--report", type=Path, metavar="JSON", help="re-render a run's JSON")
     p.add_argument("--child", nargs=2, metavar=("WORKLOAD", "SYSTEM"), help=argparse.SUPPRESS)
