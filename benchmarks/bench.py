@@ -523,7 +523,7 @@ def _run_all(args: argparse.Namespace, template: Path | None) -> dict[str, Any]:
     }
     sizes = QUICK_PLAN_SIZES if args.quick else PLAN_SIZES
     argv = ["--planning", *map(str, sizes), "--iters", "3" if args.quick else "10"]
-    results["planning"], results["planning_failure"] = run_child(argv, args.cap, None, args.malloc)
+    results["planning"], results["planning_failure"] = run_child(argv, args.cap, malloc=args.malloc)
     for workload in args.workloads:
         for system in SYSTEMS:
             argv = ["--child", workload, system, "--iters", str(iters), "--budget", str(budget)]
@@ -532,7 +532,7 @@ def _run_all(args: argparse.Namespace, template: Path | None) -> dict[str, Any]:
                 cache_dir = template.with_name(f"{workload}-{system}")
                 shutil.copytree(template, cache_dir)
             try:
-                records, failure = run_child(argv, args.cap, cache_dir, args.malloc)
+                records, failure = run_child(argv, args.cap, cache_dir, malloc=args.malloc)
             finally:
                 if cache_dir is not None:
                     shutil.rmtree(cache_dir, ignore_errors=True)
