@@ -55,8 +55,8 @@ glibc's malloc gives memory back to the system when the top of its heap holds mo
 memory than its trim threshold (128 KiB at first, then twice the largest block it has
 unmapped). A process whose heap happens to end in the blocks of one backward call (e.g. the
 weights' gradients, set to None before the next call) gives them back and faults them in
-again every call: seen here in processes of every system, up to ~1200 page faults and 1.5x
-the time of a call, depending on where earlier allocations happened to land. By default
+again every call: seen here in processes of every system, up to ~1100 page faults and
+1.6x the time of a call, depending on where earlier allocations happened to land. By default
 (``--malloc fixed``) the cells run with fixed thresholds that keep such memory
 (``GLIBC_TUNABLES``: trim threshold 1 GiB, mmap threshold 32 MiB), so that this does not
 decide a cell; ``--malloc default`` keeps glibc's.
