@@ -1,0 +1,167 @@
+"""Steady-state calls run Dynamo's compiled code of a region directly (see
+``replaygrad._compile._DirectCalls``), with Dynamo's guards, and only where Dynamo would run
+that code as it is; everything else goes through Dynamo. Every test checks eager's
+gradients too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import replaygrad
+from replaygrad._compile import _Compiled, cache
+
+from conftest import Doubling
+
+
+class Through:
+    """Counts the calls of the regions compiled so far that go through Dynamo (their
+    ``torch.compile``d function)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.regions = list(cache._regions.values())
+        for region in self.regions:
+            region.fn = self._counting(region.fn)
+
+    def _counting(self, fn):
+        def call(*args):
+            self.calls += 1
+            return fn(*args)
+
+        return call
+
+
+def grads_of(params):
+    return [p.grad.clone() for p in params]
+
+
+def eager_grads(make_loss, params):
+    for p in params:
+        p.grad = None
+    make_loss().backward()
+    return grads_of(params)
+
+
+def replay_grads(make_loss, params, compiler):
+    for p in params:
+        p.grad = None
+    replaygrad.backward(make_loss(), compiler=compiler)
+    return grads_of(params)
+
+
+def mlp(batch: int, dtype=torch.float32):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model = model.to(dtype)
+    x = torch.randn(batch, 6, dtype=dtype)
+    return list(model.parameters()), lambda: model(x).square().sum()
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_steady_state_calls_skip_dynamos_frame_evaluation(compiler):
+    params, loss = mlp(4)
+    expected = eager_grads(loss, params)
+    torch.testing.assert_close(replay_grads(loss, params, compiler), expected)
+    through = Through()
+    assert through.regions and all(r.direct is not None for r in through.regions)
+    for _ in range(3):
+        torch.testing.assert_close(replay_grads(loss, params, compiler), expected)
+    assert through.calls == 0
+
+
+def test_new_shapes_go_through_dynamo_then_run_directly():
+    params, loss = mlp(4)
+    replay_grads(loss, params, "aot_eager")
+    through = Through()
+    # The guards of the variant Dynamo compiled for batch 4 fail for batch 7, which it
+    # compiles with a dynamic batch size, whose guards then pass for batch 5.
+    for batch, compiles in ((7, 1), (5, 0)):
+        p, other = mlp(batch)
+        expected = eager_grads(other, p)
+        before = through.calls
+        torch.testing.assert_close(replay_grads(other, p, "aot_eager"), expected)
+        assert through.calls == before + compiles
+        torch.testing.assert_close(replay_grads(other, p, "aot_eager"), expected)
+        assert through.calls == before + compiles
+    # Another dtype is another replay (its saved values' dtypes are in the plan's key).
+    p, other = mlp(5, torch.float64)
+    expected = eager_grads(other, p)
+    torch.testing.assert_close(replay_grads(other, p, "aot_eager"), expected)
+    assert through.calls == 1
+    through = Through()
+    torch.testing.assert_close(replay_grads(other, p, "aot_eager"), expected)
+    assert through.calls == 0
+
+
+def test_force_eager_stance_runs_through_dynamo():
+    params, loss = mlp(4)
+    expected = eager_grads(loss, params)
+    replay_grads(loss, params, "aot_eager")
+    through = Through()
+    with torch.compiler.set_stance("force_eager"):
+        torch.testing.assert_close(replay_grads(loss, params, "aot_eager"), expected)
+    assert through.calls == 1
+    torch.testing.assert_close(replay_grads(loss, params, "aot_eager"), expected)
+    assert through.calls == 1
+
+
+def test_calls_under_the_profiler_run_through_dynamo():
+    params, loss = mlp(4)
+    replay_grads(loss, params, "aot_eager")
+    replay_grads(loss, params, "aot_eager")
+    through = Through()
+    with torch.profiler.profile() as prof:
+        replay_grads(loss, params, "aot_eager")
+    assert through.calls == 1
+    assert any(e.name.startswith("Torch-Compiled Region") for e in prof.events())
+
+
+def test_regions_with_graph_breaks_run_through_dynamo():
+    w = torch.randn(5, requires_grad=True)
+
+    def loss():
+        return (Doubling.apply(w.sin()) * w).exp().sum()
+
+    expected = eager_grads(loss, [w])
+    torch.testing.assert_close(replay_grads(loss, [w], "aot_eager"), expected)
+    through = Through()
+    for _ in range(3):
+        torch.testing.assert_close(replay_grads(loss, [w], "aot_eager"), expected)
+    assert through.calls == 3
+    assert all(r.direct is None for r in through.regions)
+
+
+def test_regions_with_python_hooks_in_their_graph_run_through_dynamo():
+    w = torch.randn(5, requires_grad=True)
+
+    def loss():
+        y = w.sin()
+        y.register_hook(lambda g: g * 3)
+        return (y * w).sum()
+
+    expected = eager_grads(loss, [w])
+    torch.testing.assert_close(replay_grads(loss, [w], "aot_eager"), expected)
+    through = Through()
+    for _ in range(2):
+        torch.testing.assert_close(replay_grads(loss, [w], "aot_eager"), expected)
+    assert through.calls == 2
+    assert all(r.direct is None for r in through.regions)
+
+
+def test_regions_a_compiler_callable_compiled_run_directly_only_if_dynamos():
+    params, loss = mlp(4)
+    expected = eager_grads(loss, params)
+    torch.testing.assert_close(
+        replay_grads(loss, params, lambda fn: torch.compile(fn, backend="aot_eager")), expected
+    )
+    assert all(r.direct is not None for r in cache._regions.values())
+    cache.clear()
+
+    def wrapped(fn):
+        compiled = torch.compile(fn, backend="aot_eager")
+        return lambda *args: compiled(*args)
+
+    torch.testing.assert_close(replay_grads(loss, params, wrapped), expected)
+    regions = list(cache._regions.values())
+    assert regions and all(isinstance(r, _Compiled) and r.direct is None for r in regions)
