@@ -165,3 +165,15 @@ def test_regions_a_compiler_callable_compiled_run_directly_only_if_dynamos():
     torch.testing.assert_close(replay_grads(loss, params, wrapped), expected)
     regions = list(cache._regions.values())
     assert regions and all(isinstance(r, _Compiled) and r.direct is None for r in regions)
+
+
+def test_after_a_dynamo_reset_regions_compile_again():
+    params, loss = mlp(4)
+    expected = eager_grads(loss, params)
+    replay_grads(loss, params, "aot_eager")
+    through = Through()
+    torch._dynamo.reset()  # drops every compiled variant: nothing may run the old code
+    torch.testing.assert_close(replay_grads(loss, params, "aot_eager"), expected)
+    assert through.calls == 1
+    torch.testing.assert_close(replay_grads(loss, params, "aot_eager"), expected)
+    assert through.calls == 1
