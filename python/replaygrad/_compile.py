@@ -365,10 +365,10 @@ class _DirectCalls:
         """The function of the variant Dynamo would run for ``args``; None where this call
         goes through Dynamo, False where every call of the region should (a variant that
         cannot be called directly passed, or the region has Python hooks in its graph)."""
-        if not _direct_calls_allowed() or _cache_entries is None:
+        if _cache_entries is None or not _direct_calls_allowed():
             return None
         frame_locals = dict(zip(self.names, args))
-        if frame_locals.get("hooks"):
+        if frame_locals.get("hooks"):  # the region's argument of Python hooks in its graph
             return False
         try:
             for entry in _cache_entries(self.code):
@@ -379,7 +379,7 @@ class _DirectCalls:
                         known = (code, _direct_function(code, self.scope))
                         self.functions[id(code)] = known
                     return known[1] or False
-        except Exception:  # Dynamo then raises it, or does what it does
+        except Exception:  # a guard that raises: left to Dynamo's own frame evaluation
             return None
         return None
 
