@@ -858,6 +858,30 @@ def test_a_formula_that_fixes_a_symbolic_size_runs_outside_the_graph():
     assert any("specialises symbolic sizes" in k for k in counters["graph_break"])
 
 
+def test_a_formula_that_fixes_a_stride_to_one_stays_in_the_graph():
+    """Linear's AddmmBackward0 asks whether the weight's stride is 1. Under dynamic=True
+    that stride, a lifted int, is a symbol, which the question fixes to 1: no size, so the
+    step stays in the graph (before 2026-12-07 every Linear step broke the graph there)."""
+    w1, b1 = torch.randn(8, 6, requires_grad=True), torch.randn(8, requires_grad=True)
+    w2 = torch.randn(3, 8, requires_grad=True)
+    counters.clear()
+    before = unique_graphs()
+    for batch in (4, 7, 5):
+        x = torch.randn(batch, 6)
+
+        def loss(w1, b1, w2, x=x):
+            return F.linear(F.linear(x, w1, b1).tanh(), w2).square().sum()
+
+        leaves = [w1, b1, w2]
+        expected = eager_grads(loss, leaves)
+        for t in leaves:
+            t.grad = None
+        replaygrad.backward(loss(*leaves), compiler=COMPILER, dynamic=True)
+        torch.testing.assert_close([t.grad for t in leaves], expected)
+    assert not counters["graph_break"]
+    assert unique_graphs() == before + 1
+
+
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
 def test_an_empty_input_after_sizes_became_dynamic(compiler):
     """``cat``'s backward narrows its gradient by the sizes it keeps. With those sizes

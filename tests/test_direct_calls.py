@@ -170,10 +170,10 @@ def test_after_a_dynamo_reset_regions_compile_again():
     assert through.calls == 1
 
 
-@pytest.mark.parametrize("options", [{"fullgraph": True}, {"dynamic": False}])
+@pytest.mark.parametrize("options", [{"fullgraph": True}, {"dynamic": True}, {"dynamic": False}])
 def test_compile_options_keep_direct_calls(options):
-    # (Under dynamic=True, symbolic from the first call, an AddmmBackward0 step of this graph
-    # fixes a size and runs outside the graph: a graph break, see Changing shapes.)
+    # (Under dynamic=True the replay has no graph break: Linear's AddmmBackward0 asks whether
+    # the weight's stride, a symbol then, is 1, which fixes it to 1 and no size.)
     params, loss = mlp(4)
     expected = eager_grads(loss, params)
 

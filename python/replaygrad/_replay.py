@@ -454,13 +454,23 @@ def _apply_symbolic(
         return plan.apply(step, inputs, saved)
     finally:
         log.disabled = quiet
-    if any(shape_env.replace(symbol).is_number for symbol, shape_env in free.items()):
+    if any(_fixed(symbol, shape_env) for symbol, shape_env in free.items()):
         # The formula fixed a size to its value now (e.g. masked_select's backward reads
         # plain sizes()): compiled, the graph would hold for that size only, and Dynamo
         # would compile it again for every other. Dynamo restarts the frame's analysis
         # (dropping those guards) with the step outside the graph.
         _outside_the_graph("backward formula that specialises symbolic sizes", step)
     return outputs
+
+
+def _fixed(symbol: Any, shape_env: Any) -> bool:
+    """Whether a formula fixed ``symbol`` to a value other than 0 or 1. Those two Dynamo
+    specialises itself in tensor sizes; a formula tests them in strides and broadcasting
+    (``mm_mat2_backward`` asks whether the weight's stride is 1, which with ``dynamic=True``
+    is a symbol too, a lifted int), and a graph holding for them serves a training loop,
+    whose layouts do not change."""
+    value = shape_env.replace(symbol)
+    return bool(value.is_number) and int(value) not in (0, 1)
 
 
 def _outside_the_graph(why: str, step: int, cause: BaseException | None = None) -> NoReturn:
