@@ -43,10 +43,10 @@ def eager_grads(make_loss, params):
     return grads_of(params)
 
 
-def replay_grads(make_loss, params, compiler):
+def replay_grads(make_loss, params, compiler, **options):
     for p in params:
         p.grad = None
-    replaygrad.backward(make_loss(), compiler=compiler)
+    replaygrad.backward(make_loss(), compiler=compiler, **options)
     return grads_of(params)
 
 
@@ -176,15 +176,8 @@ def test_compile_options_keep_direct_calls(options):
     # the weight's stride, a symbol then, is 1, which fixes it to 1 and no size.)
     params, loss = mlp(4)
     expected = eager_grads(loss, params)
-
-    def replayed():
-        for p in params:
-            p.grad = None
-        replaygrad.backward(loss(), compiler="aot_eager", **options)
-        return grads_of(params)
-
-    torch.testing.assert_close(replayed(), expected)
+    torch.testing.assert_close(replay_grads(loss, params, "aot_eager", **options), expected)
     through = Through()
     for _ in range(2):
-        torch.testing.assert_close(replayed(), expected)
+        torch.testing.assert_close(replay_grads(loss, params, "aot_eager", **options), expected)
     assert through.calls == 0
