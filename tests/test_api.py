@@ -52,6 +52,57 @@ def test_enable_restores_state_when_the_block_raises():
     assert replaygrad.cache_info().misses == 0
 
 
+def test_enable_is_reusable_reentrant_and_a_decorator():
+    w = torch.randn(3, requires_grad=True)
+    loss_of(w).backward()
+    expected, w.grad = w.grad, None
+    routing = replaygrad.enable(compiler=None)
+
+    def grad_and_misses():
+        loss_of(w).backward()
+        got, w.grad = w.grad, None
+        assert torch.equal(got, expected)
+        return replaygrad.cache_info().misses
+
+    with routing:
+        assert grad_and_misses() == 1
+        with routing:  # the same object, within its own block
+            with replaygrad.disable():
+                assert grad_and_misses() == 1  # the engine
+            assert grad_and_misses() == 1  # a cache hit
+        assert grad_and_misses() == 1  # the inner exit restored the outer block's state
+    assert grad_and_misses() == 1  # outside: the engine
+    with routing:  # entered again after its block ended
+        assert grad_and_misses() == 1
+    assert _core.engine_set_enabled(False) is False
+
+    @replaygrad.enable(compiler=None)
+    def replayed(depth):
+        if depth:
+            replayed(depth - 1)  # each call in a block of its own
+        return grad_and_misses()
+
+    assert replayed(2) == 1
+    assert replaygrad.disable()(grad_and_misses)() == 1
+    assert grad_and_misses() == 1
+    assert _core.engine_set_enabled(False) is False
+
+
+def test_enable_checks_its_arguments_when_called():
+    with pytest.raises(ValueError, match="fallback must be"):
+        replaygrad.enable(compiler=None, fallback="engine")
+    with pytest.raises(ValueError, match="fallback must be"):
+        replaygrad.enable(compiler=None, fallback=["eager"])
+    with pytest.raises(ValueError, match="unknown compiler 'nope'"):
+        replaygrad.enable("nope")
+    # Valid arguments seen before are not checked again, and do not let bad ones through.
+    replaygrad.enable("aot_eager", fallback="eager")
+    with pytest.raises(ValueError, match="unknown compiler 'nope'"):
+        replaygrad.enable("nope", fallback="eager")
+    with pytest.raises(TypeError, match="unknown compile option"):
+        replaygrad.enable("aot_eager", fallback="eager", fullgrpah=True)
+
+
 @pytest.fixture
 def compile_calls(monkeypatch) -> list[dict]:
     """The keyword arguments of every ``torch.compile`` call (which still compiles)."""

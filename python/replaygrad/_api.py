@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -99,10 +98,9 @@ def grad(
         )
 
 
-@contextmanager
 def enable(
     compiler: Compiler = "inductor", *, fallback: str | None = None, **compile_options: Any
-) -> Iterator[None]:
+) -> routed:
     """Routes every backward on this thread (``loss.backward()``,
     ``torch.autograd.backward``, ``torch.autograd.grad``) through replaygrad while the block
     runs, compiled with ``compiler`` and ``compile_options``, with ``fallback`` on compile
@@ -112,17 +110,17 @@ def enable(
     is restored on exit, also when the block raises. Other threads are routed as before;
     backward calls through one graph from several threads at once are not supported (the
     README's Known limitations).
+
+    The arguments are checked here. The context manager may be entered again, and used as a
+    decorator (each call of the decorated function runs in a block of its own).
     """
-    with routed(Config.make(compiler, compile_options, fallback)):
-        yield
+    return routed(Config.make(compiler, compile_options, fallback))
 
 
-@contextmanager
-def disable() -> Iterator[None]:
+def disable() -> routed:
     """Runs this thread's backward calls with PyTorch's engine while the block runs, also
-    inside an :func:`enable` block."""
-    with routed(None):
-        yield
+    inside an :func:`enable` block (a context manager, or a decorator)."""
+    return routed(None)
 
 
 class Plan:

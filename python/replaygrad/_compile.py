@@ -54,6 +54,13 @@ class Config:
 
     @staticmethod
     def make(compiler: Compiler, options: dict[str, Any], fallback: str | None = None) -> Config:
+        plain = (
+            not options
+            and (compiler is None or type(compiler) is str)
+            and fallback in (None, "eager")
+        )
+        if plain and (compiler, fallback) in _plain_configs:
+            return _plain_configs[compiler, fallback]
         check_compiler(compiler)
         if fallback not in (None, "eager"):
             raise ValueError(f"fallback must be None or 'eager', got {fallback!r}")
@@ -71,7 +78,15 @@ class Config:
                 f"unknown compile option(s) {', '.join(sorted(unknown))}: torch.compile takes "
                 f"{', '.join(sorted(_TORCH_COMPILE_OPTIONS))}"
             )
-        return Config(compiler, _frozen(options), fallback, dict(options))
+        config = Config(compiler, _frozen(options), fallback, dict(options))
+        if plain:
+            _plain_configs[compiler, fallback] = config
+        return config
+
+
+#: The configs of a backend name (or None) without options, by compiler and fallback: made
+#: once, as `enable()` and `backward()` make one a call.
+_plain_configs: dict[tuple[str | None, str | None], Config] = {}
 
 
 def _frozen(value: Any) -> Any:

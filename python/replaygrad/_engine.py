@@ -261,21 +261,28 @@ def _replay_without_engine(
     return result
 
 
-class routed:
+class routed(contextlib.ContextDecorator):
     """Routes this thread's backward calls through replaygrad with ``config`` while active
     (``None``: to the engine).
 
     Nests: the innermost block wins, and the prior state is restored on exit, also when the
-    block raises. The engine hook is installed while any thread has a block active.
+    block raises. The engine hook is installed while any thread has a block active. One
+    object may be entered again, also within its own block (each exit restores what its
+    entry found); as a decorator, each call enters a block of its own.
     """
 
     def __init__(self, config: Config | None) -> None:
         self.config = config
+        # Per entry not yet exited: whether it installed, the prior config and engine state.
+        self._entries: list[tuple[bool, Config | None, bool]] = []
+
+    def _recreate_cm(self) -> routed:
+        return routed(self.config)
 
     def __enter__(self) -> None:
         global _install_count
-        self.installs = self.config is not None
-        if self.installs:
+        installs = self.config is not None
+        if installs:
             if _torch_compiled_autograd_enabled():
                 raise RuntimeError(
                     "replaygrad cannot run while torch._dynamo.compiled_autograd is enabled: "
@@ -286,15 +293,15 @@ class routed:
                     _core.engine_hook_install(_on_engine_call)
                     _patch_torch(True)
                 _install_count += 1
-        self.prior = current_config()
+        prior = current_config()
         _tls.config = self.config
-        self.prior_enabled = _core.engine_set_enabled(self.config is not None)
+        self._entries.append((installs, prior, _core.engine_set_enabled(installs)))
 
     def __exit__(self, *exc: object) -> None:
         global _install_count
-        _tls.config = self.prior
-        _core.engine_set_enabled(self.prior_enabled)
-        if self.installs:
+        installs, _tls.config, prior_enabled = self._entries.pop()
+        _core.engine_set_enabled(prior_enabled)
+        if installs:
             with _install_lock:
                 _install_count -= 1
                 if _install_count == 0:
