@@ -856,6 +856,11 @@ def test_a_formula_that_fixes_a_symbolic_size_runs_outside_the_graph():
     assert lookups() == (1, 7)
     assert graphs[3:] == [graphs[3]] * 5, f"Dynamo graphs after each call: {graphs}"
     assert any("specialises symbolic sizes" in k for k in counters["graph_break"])
+    # Dynamo runs the step as Python, without compiling replaygrad's own frames (whose
+    # ints are symbolic too: before 2026-12-07 they broke the graph again).
+    assert all(k.startswith("replaygrad: ") for k in counters["graph_break"]), counters[
+        "graph_break"
+    ]
 
 
 def test_a_formula_that_fixes_a_stride_to_one_stays_in_the_graph():
@@ -873,6 +878,33 @@ def test_a_formula_that_fixes_a_stride_to_one_stays_in_the_graph():
             return F.linear(F.linear(x, w1, b1).tanh(), w2).square().sum()
 
         leaves = [w1, b1, w2]
+        expected = eager_grads(loss, leaves)
+        torch.testing.assert_close(replay_grads(loss, leaves, dynamic=True), expected)
+    assert not counters["graph_break"]
+    assert unique_graphs() == before + 1
+
+
+def test_sizes_fixed_by_the_graph_structure_stay_in_the_graph():
+    """nn.GRU's backward (CPU) stacks one gradient per time step (UnbindBackward0: as many
+    as the node has inputs), and the next steps' formulas meet that stack's constant length,
+    which fixes the symbolic sequence length to it. No graph of the same key can see another
+    length there, so under dynamic=True those steps stay in the graph (before 2026-12-07,
+    two graph breaks per layer)."""
+    torch.manual_seed(0)
+    # (Sizes chosen so that none is a multiple of another: Dynamo would guard on such a
+    # coincidence, and compile again when it ends.)
+    gru = torch.nn.GRU(8, 11, num_layers=2, batch_first=True)
+    names = [name for name, _ in gru.named_parameters()]
+    leaves = [p.detach().clone().requires_grad_() for p in gru.parameters()]
+    counters.clear()
+    before = unique_graphs()
+    for batch in (5, 7, 9, 4):
+        x = torch.randn(batch, 6, 8)
+
+        def loss(*params, x=x):
+            out, _ = torch.func.functional_call(gru, dict(zip(names, params)), (x,))
+            return out.square().mean()
+
         expected = eager_grads(loss, leaves)
         torch.testing.assert_close(replay_grads(loss, leaves, dynamic=True), expected)
     assert not counters["graph_break"]

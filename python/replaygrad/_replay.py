@@ -279,11 +279,15 @@ def at(base: int, hooks_ran: bool = False) -> list:
 
 
 @torch._dynamo.allow_in_graph
+@torch._dynamo.disable
 def apply_traced(step: int, inputs: list, saved: list, sizes: list | None = None) -> tuple:
     """A traced step: the current plan's node, called with ``saved`` swapped in.
 
     In the graph, Dynamo does not look inside (so no guard on the node); AOTAutograd and
-    the eager backend call it with the values being traced or run. ``sizes``: the step's
+    the eager backend call it with the values being traced or run. Where it breaks Dynamo's
+    graph (see :func:`_outside_the_graph`), Dynamo calls it as Python, and does not compile
+    its frame (whose ints, e.g. ``step``, would be symbolic under dynamic shapes, breaking
+    the graph again at each use). ``sizes``: the step's
     lifted sizes (see ``Plan.size_ranges``), replay inputs like the saved values; traced
     with dynamic shapes they are symbolic, and the node runs with them in place of its own.
     """
@@ -454,23 +458,40 @@ def _apply_symbolic(
         return plan.apply(step, inputs, saved)
     finally:
         log.disabled = quiet
-    if any(_fixed(symbol, shape_env) for symbol, shape_env in free.items()):
-        # The formula fixed a size to its value now (e.g. masked_select's backward reads
-        # plain sizes()): compiled, the graph would hold for that size only, and Dynamo
-        # would compile it again for every other. Dynamo restarts the frame's analysis
-        # (dropping those guards) with the step outside the graph.
-        _outside_the_graph("backward formula that specialises symbolic sizes", step)
+    if free:
+        constants = _structural_sizes(inputs)
+        if any(_fixed(symbol, shape_env, constants) for symbol, shape_env in free.items()):
+            # The formula fixed a size to its value now (e.g. masked_select's backward reads
+            # plain sizes()): compiled, the graph would hold for that size only, and Dynamo
+            # would compile it again for every other. Dynamo restarts the frame's analysis
+            # (dropping those guards) with the step outside the graph.
+            _outside_the_graph("backward formula that specialises symbolic sizes", step)
     return outputs
 
 
-def _fixed(symbol: Any, shape_env: Any) -> bool:
-    """Whether a formula fixed ``symbol`` to a value other than 0 or 1. Those two Dynamo
-    specialises itself in tensor sizes; a formula tests them in strides and broadcasting
-    (``mm_mat2_backward`` asks whether the weight's stride is 1, which with ``dynamic=True``
-    is a symbol too, a lifted int), and a graph holding for them serves a training loop,
-    whose layouts do not change."""
+def _structural_sizes(inputs: list) -> set[int]:
+    """Sizes a traced step's gradients fix by the graph's structure: their number (the
+    node's inputs, part of the key: ``unbind``'s backward stacks one gradient per output)
+    and their dims that are constants while sizes are symbolic (made so by an earlier step,
+    e.g. the dim of that stack)."""
+    sizes = {len(inputs)}
+    for value in inputs:
+        if isinstance(value, torch.Tensor):
+            sizes.update(d for d in value.shape if type(d) is int)
+    return sizes
+
+
+def _fixed(symbol: Any, shape_env: Any, structural: set[int]) -> bool:
+    """Whether a formula fixed ``symbol`` to a value other than 0, 1 and the ``structural``
+    sizes of its step (see :func:`_structural_sizes`). Dynamo specialises 0 and 1 itself
+    in tensor sizes; a formula tests them in strides and broadcasting (``mm_mat2_backward``
+    asks whether the weight's stride is 1, which with ``dynamic=True`` is a symbol too, a
+    lifted int), and a graph holding for them serves a training loop, whose layouts do not
+    change. A size fixed to a structural one (a GRU's sequence length, met by the stack of
+    its steps' gradients) cannot take another value in graphs of the same key. Either way
+    the graph guards on the value: were it to change, Dynamo would compile again."""
     value = shape_env.replace(symbol)
-    return bool(value.is_number) and int(value) not in (0, 1)
+    return bool(value.is_number) and int(value) not in {0, 1, *structural}
 
 
 def _outside_the_graph(why: str, step: int, cause: BaseException | None = None) -> NoReturn:
