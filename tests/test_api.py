@@ -6,12 +6,13 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 
 import replaygrad
-from replaygrad import _core
+from replaygrad import _core, _engine
 
 from conftest import Doubling, counting_backend
 
@@ -86,6 +87,35 @@ def test_enable_is_reusable_reentrant_and_a_decorator():
     assert replaygrad.disable()(grad_and_misses)() == 1
     assert grad_and_misses() == 1
     assert _core.engine_set_enabled(False) is False
+
+
+def test_one_enable_object_shared_by_threads():
+    routing = replaygrad.enable(compiler=None)
+    outer = replaygrad.enable("aot_eager")
+    both_in, a_out = threading.Barrier(2), threading.Event()
+    seen = {}
+
+    def a():
+        with outer:
+            with routing:
+                both_in.wait()
+            seen["a out"] = _engine.current_config()  # its own prior, not b's
+        a_out.set()
+
+    def b():
+        with routing:
+            both_in.wait()
+            a_out.wait()  # b's block ends after a's
+            seen["b in"] = _engine.current_config()
+        seen["b out"] = _engine.current_config()
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {"a out": outer.config, "b in": routing.config, "b out": None}
+    assert _engine.current_config() is None
 
 
 def test_enable_checks_its_arguments_when_called():

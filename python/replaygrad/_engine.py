@@ -267,17 +267,25 @@ class routed(contextlib.ContextDecorator):
 
     Nests: the innermost block wins, and the prior state is restored on exit, also when the
     block raises. The engine hook is installed while any thread has a block active. One
-    object may be entered again, also within its own block (each exit restores what its
-    entry found); as a decorator, each call enters a block of its own.
+    object may be entered again, also within its own block and from several threads (each
+    exit restores what its thread's entry found); as a decorator, each call enters a block
+    of its own.
     """
 
     def __init__(self, config: Config | None) -> None:
         self.config = config
-        # Per entry not yet exited: whether it installed, the prior config and engine state.
-        self._entries: list[tuple[bool, Config | None, bool]] = []
+        # Per thread, per entry not yet exited: whether it installed, the prior config and
+        # engine state.
+        self._local = threading.local()
 
     def _recreate_cm(self) -> routed:
         return routed(self.config)
+
+    def _entries(self) -> list[tuple[bool, Config | None, bool]]:
+        entries = getattr(self._local, "entries", None)
+        if entries is None:
+            entries = self._local.entries = []
+        return entries
 
     def __enter__(self) -> None:
         global _install_count
@@ -295,11 +303,12 @@ class routed(contextlib.ContextDecorator):
                 _install_count += 1
         prior = current_config()
         _tls.config = self.config
-        self._entries.append((installs, prior, _core.engine_set_enabled(installs)))
+        self._entries().append((installs, prior, _core.engine_set_enabled(installs)))
 
     def __exit__(self, *exc: object) -> None:
         global _install_count
-        installs, _tls.config, prior_enabled = self._entries.pop()
+        installs, prior, prior_enabled = self._entries().pop()
+        _tls.config = prior
         _core.engine_set_enabled(prior_enabled)
         if installs:
             with _install_lock:
