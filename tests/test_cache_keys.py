@@ -891,8 +891,9 @@ def test_sizes_fixed_by_the_graph_structure_stay_in_the_graph():
     length there, so under dynamic=True those steps stay in the graph (before 2026-12-07,
     two graph breaks per layer)."""
     torch.manual_seed(0)
-    # (Sizes chosen so that none is a multiple of another: Dynamo would guard on such a
-    # coincidence, and compile again when it ends.)
+    # (Sizes chosen so that no formula meets a coincidental relation between them, e.g. a
+    # hidden size twice the batch size: Dynamo guards on one, and compiles again when it
+    # ends.)
     gru = torch.nn.GRU(8, 11, num_layers=2, batch_first=True)
     names = [name for name, _ in gru.named_parameters()]
     leaves = [p.detach().clone().requires_grad_() for p in gru.parameters()]
