@@ -342,10 +342,13 @@ class _Compiled:
 
 
 #: Dynamo's compiled variants of a code object (each with its guards), in the order Dynamo
-#: tries them; a debugging function of torch's, hence looked up.
+#: tries them; a debugging function of torch's C module (which
+#: ``torch._dynamo.eval_frame._debug_get_cache_entry_list`` wraps), hence looked up.
 _cache_entries: Callable[[types.CodeType], list[Any]] | None = getattr(
-    torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None
+    torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list", None
 )
+_eval_frame = torch._dynamo.eval_frame
+_profiler = torch.autograd.profiler
 
 
 class _DirectCalls:
@@ -403,10 +406,7 @@ def _direct_calls_allowed() -> bool:
     """Whether Dynamo would run a region's compiled code as it is: in the default stance
     (not ``force_eager`` and the like), and with torch's profiler off (under it Dynamo
     records each compiled region's call, which profiles show)."""
-    return (
-        torch._dynamo.eval_frame._stance.stance == "default"
-        and not torch.autograd.profiler._is_profiler_enabled
-    )
+    return _eval_frame._stance.stance == "default" and not _profiler._is_profiler_enabled
 
 
 #: The globals Dynamo's transformed code of a region without graph breaks loads: the
