@@ -369,6 +369,10 @@ impl PyPlan {
     /// (hooks are inputs of a replay, not part of its key).
     fn hook_dicts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let mut out = Vec::new();
+        if !self.plan.layout.hooks.iter().any(|h| h.python) {
+            // Most plans: no step to look at.
+            return PyList::new(py, out);
+        }
         for (s, step) in self.plan.layout.steps.iter().enumerate() {
             for i in step.hooks.clone() {
                 let hook = self.plan.layout.hooks[i as usize];
