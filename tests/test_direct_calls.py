@@ -118,7 +118,9 @@ def test_calls_under_the_profiler_run_through_dynamo():
 
 
 def _graph_break(w):
-    return (Doubling.apply(w.sin()) * w).exp().sum()
+    y = w.sin()
+    y.register_hook(lambda g: torch._dynamo.graph_break() or g * 3)
+    return (y * w).exp().sum()
 
 
 def _traced_hook(w):
@@ -129,7 +131,7 @@ def _traced_hook(w):
 
 @pytest.mark.parametrize("forward", [_graph_break, _traced_hook], ids=["graph break", "hook"])
 def test_regions_with_graph_breaks_or_python_hooks_run_through_dynamo(forward):
-    # A Function that is not traceable breaks the graph; a Python hook is traced into it.
+    # Python hooks are traced into the graph: one that Dynamo cannot trace breaks it.
     w = torch.randn(5, requires_grad=True)
     expected = eager_grads(lambda: forward(w), [w])
     torch.testing.assert_close(replay_grads(lambda: forward(w), [w], "aot_eager"), expected)
@@ -138,6 +140,26 @@ def test_regions_with_graph_breaks_or_python_hooks_run_through_dynamo(forward):
         torch.testing.assert_close(replay_grads(lambda: forward(w), [w], "aot_eager"), expected)
     assert through.calls == 3
     assert all(r.direct is None for r in through.regions)
+
+
+def test_a_step_run_as_itself_gets_a_region_of_its_own_between_direct_calls():
+    # A Function that is not traceable runs as itself between two compiled regions, each
+    # without a graph break (not as a break inside one region).
+    def forward():
+        return (Doubling.apply(w.sin()) * w).exp().sum()
+
+    w = torch.randn(5, requires_grad=True)
+    expected = eager_grads(forward, [w])
+    torch._dynamo.utils.counters.clear()
+    torch.testing.assert_close(replay_grads(forward, [w], "aot_eager"), expected)
+    assert not torch._dynamo.utils.counters["graph_break"]
+    (entry,) = cache._entries.values()
+    assert [g.compiled for g in entry.replay.regions] == [True, False, True]
+    through = Through()
+    for _ in range(3):
+        torch.testing.assert_close(replay_grads(forward, [w], "aot_eager"), expected)
+    assert through.calls == 0
+    assert len(through.regions) == 2 and all(r.direct for r in through.regions)
 
 
 def test_regions_a_compiler_callable_compiled_run_directly_only_if_dynamos():

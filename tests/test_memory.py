@@ -134,10 +134,22 @@ def test_the_saved_values_a_replay_makes_are_not_tracked_by_the_cycle_collector(
 
 @pytest.mark.parametrize("compiler", COMPILERS)
 @pytest.mark.parametrize("post_hook", [False, True])
-def test_a_function_run_as_itself_is_handed_its_gradients(compiler, post_hook):
+@pytest.mark.parametrize("region_size", [None, 1], ids=["whole", "regions"])
+def test_a_function_run_as_itself_is_handed_its_gradients(compiler, post_hook, region_size):
     # The engine moves a node's gradients into its call: a Function with boxed_grads_call
     # that clears the list it gets frees a gradient no one else holds (PyTorch's
     # test_custom_function_boxed_grads_no_extra_refs). A post hook gets them afterwards.
+    # Compiled, the Function runs between regions; with regions of one step the uncompiled
+    # replay is split too: the gradient comes from an earlier region either way.
+    prior = replaygrad._compile.cache.region_size
+    replaygrad.set_region_size(region_size)
+    try:
+        _handed_its_gradients(compiler, post_hook)
+    finally:
+        replaygrad.set_region_size(prior)
+
+
+def _handed_its_gradients(compiler, post_hook):
     alive = []
 
     class Boxed(torch.autograd.Function):
