@@ -203,3 +203,31 @@ def test_compile_options_keep_direct_calls(options):
     for _ in range(2):
         torch.testing.assert_close(replay_grads(loss, params, "aot_eager", **options), expected)
     assert through.calls == 0
+
+
+def test_an_engine_call_from_code_dynamo_runs_replays_with_dynamo_off():
+    # The engine called directly (not through torch.autograd) in a compiled function: the
+    # call breaks Dynamo's graph and runs with Dynamo's frame evaluation on. The replay
+    # turns it off, as torch.autograd's entry does, so Dynamo compiles none of its frames
+    # (it compiled about 150, each Python step and hook helper, breaking at most).
+    w = torch.randn(5, requires_grad=True)
+
+    def forward():
+        return (Doubling.apply(w.sin()) * w).exp().sum()
+
+    expected = eager_grads(forward, [w])
+
+    @torch.compile(backend="eager")
+    def step():
+        torch.autograd.Variable._execution_engine.run_backward(
+            (forward(),), (torch.ones(()),), False, False, (), True, True
+        )
+
+    torch._dynamo.utils.counters.clear()
+    with replaygrad.enable("aot_eager"):
+        for _ in range(3):
+            w.grad = None
+            step()
+            torch.testing.assert_close([w.grad], expected)
+    (reason,) = torch._dynamo.utils.counters["graph_break"]
+    assert "run_backward" in reason

@@ -330,7 +330,13 @@ def _leave_to_engine(reason: str, level: int = logging.INFO) -> None:
 
 def _on_engine_call(call: Any) -> tuple[torch.Tensor | None, ...] | None:
     """The engine hook's callback: replays the call and returns the captured gradients (empty
-    for backward()), or None to let the engine run it."""
+    for backward()), or None to let the engine run it. A replay runs with Dynamo off, as it
+    does when called through ``torch.autograd`` (see
+    :data:`_engine_run_backward_outside_dynamo`), also where the engine is called some other
+    way from code Dynamo runs (``Variable._execution_engine.run_backward`` in a compiled
+    function): Dynamo would compile each Python frame of the replay."""
+    if _eval_frame_callback() is not None:
+        return _on_engine_call_outside_dynamo(call)
     config = current_config()
     if config is None:
         return None
@@ -358,6 +364,10 @@ def _on_engine_call(call: Any) -> tuple[torch.Tensor | None, ...] | None:
         _leave_to_engine("create_graph=True (higher-order gradients)")
         return None
     return _replay(config, plan)
+
+
+_on_engine_call_outside_dynamo = torch.compiler.disable(_on_engine_call)
+_eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
 
 
 def _engine_only_reason() -> str | None:

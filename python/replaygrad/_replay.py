@@ -1135,6 +1135,28 @@ _RUNTIME = {
 }
 
 
+def _without_dynamo_wrappers(runtime: dict[str, Any]) -> dict[str, Any]:
+    """``runtime`` for regions that run as Python: its functions without the wrappers of
+    ``torch._dynamo.disable``. Those keep Dynamo out of them where a compiled region calls
+    them (at a graph break); a region run as Python is called by the driver, which runs
+    with Dynamo off (see ``_engine._on_engine_call``), and the wrapper costs ~3 µs a call
+    (it sets and restores the frame evaluation callback)."""
+    return {name: getattr(fn, "_torchdynamo_orig_callable", fn) for name, fn in runtime.items()}
+
+
+#: The runtime of the regions of compiled replays that run as Python (see :func:`regions`,
+#: ``cut``), and that of uncompiled replays (see :func:`build`).
+_AS_PYTHON = _without_dynamo_wrappers(_RUNTIME)
+_UNCOMPILED = _without_dynamo_wrappers(
+    {
+        **_RUNTIME,
+        "apply_traced": apply_uncompiled,
+        "buffer_sum": _core.buffer_sum,
+        "new_tensor_pre_hooks": new_tensor_pre_hooks,
+    }
+)
+
+
 def generate_source(
     plan: _core.Plan,
     hooks_in_graph: bool = True,
@@ -1935,19 +1957,12 @@ def build(
         scalars,
     )
     namespace: dict[str, Any] = {"at": at, "buffer_sum": buffer_sum}
-    runtime = _RUNTIME
-    if uncompiled:
-        runtime = {
-            **_RUNTIME,
-            "apply_traced": apply_uncompiled,
-            "buffer_sum": _core.buffer_sum,
-            "new_tensor_pre_hooks": new_tensor_pre_hooks,
-        }
 
     def make(g: Region) -> FunctionType:
         """The function of region ``g``, taken out of the scope it was defined in (its
         globals), so that no cycle holds it: a replay and its regions are freed as soon as
         the cache drops them (see _compile._Compiled)."""
+        runtime = _UNCOMPILED if uncompiled else _RUNTIME if g.compiled else _AS_PYTHON
         scope: dict[str, Any] = dict(runtime)
         exec(compile(g.source, f"<replaygrad region {g.key[:12]}>", "exec"), scope)
         return scope.pop("region")
