@@ -1208,11 +1208,42 @@ rg_status rg_node_name(rg_node* n, char* buf, size_t cap, size_t* len) {
   RG_CATCH
 }
 
+// What PyNode::is_traceable reads: the class attribute `is_traceable` of the node's Function
+// (its `_forward_cls`), looked up in the classes' dicts, as getattr finds a class attribute
+// (not on a metaclass). torch.autograd.Function does not define it in 2.13, so for most
+// Functions PyNode::is_traceable raises AttributeError and throws, a few microseconds a node
+// at every plan; the lookup raises nothing. -1 where `_forward_cls` is not a class.
+int python_function_traceable(PyObject* ctx) {
+  static PyObject* const forward_cls = PyUnicode_InternFromString("_forward_cls");
+  static PyObject* const is_traceable = PyUnicode_InternFromString("is_traceable");
+  PyGILState_STATE gil = PyGILState_Ensure();
+  int traceable = -1;
+  PyObject* cls = ctx ? _PyType_Lookup(Py_TYPE(ctx), forward_cls) : nullptr;  // borrowed
+  if (cls && PyType_Check(cls)) {
+    PyObject* flag = _PyType_Lookup(reinterpret_cast<PyTypeObject*>(cls), is_traceable);
+    traceable = flag ? PyObject_IsTrue(flag) : 0;
+    if (traceable < 0) {
+      PyErr_Clear();
+      traceable = 0;
+    }
+  }
+  PyGILState_Release(gil);
+  return traceable;
+}
+
 rg_status rg_node_is_traceable(rg_node* n, int* out) {
   RG_TRY
   *out = 0;
+  Node& node = *as_node(n);
+  if (node_type(node) == NodeType::kPython) {
+    int traceable = python_function_traceable(static_cast<torch::autograd::PyNode&>(node).pyobj());
+    if (traceable >= 0) {
+      *out = traceable;
+      return RG_OK;
+    }
+  }
   try {
-    *out = as_node(n)->is_traceable() ? 1 : 0;
+    *out = node.is_traceable() ? 1 : 0;
   } catch (python_error&) {
     // PyNode::is_traceable reads the class attribute `is_traceable`, which
     // torch.autograd.Function does not define in 2.13: not traceable.
