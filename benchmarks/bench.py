@@ -14,7 +14,9 @@ Workloads (float32, CPU, one thread, parameters' ``.grad`` set to None before ea
 ``+ 0.1`` on a 16-element leaf, loss ``sum()`` (N + 2 nodes); ``checkpoint`` 8 residual blocks
 (LayerNorm(128), Linear(128, 256), GELU, Linear(256, 128)), each under
 ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, on a (32, 128) batch, loss
-``square().mean()`` (not in the default set).
+``square().mean()``; ``function`` one Linear(64, 64) applied 20 times, each followed by
+tanh and a Python custom Function squaring its input (not ``is_traceable``), on a (8, 64)
+batch, loss ``sum()`` (these two are not in the default set).
 Systems: ``eager`` (``loss.backward()``), ``ca_<backend>`` (inside
 ``torch._dynamo.compiled_autograd._enable(torch.compile(backend=..., fullgraph=True))``) and
 ``rg_<backend>`` (inside ``replaygrad.enable(backend)``; ``rg_none``: uncompiled replay).
@@ -105,7 +107,7 @@ WORKLOADS = (
     "chain30000",
 )
 #: Workloads run only when named (``--workloads``).
-EXTRA_WORKLOADS = ("checkpoint",)
+EXTRA_WORKLOADS = ("checkpoint", "function")
 QUICK_WORKLOADS = ("mlp", "transformer", "gru", "chain100", "chain1000")
 PLAN_SIZES = (10**3, 10**4, 10**5)
 QUICK_PLAN_SIZES = (10**3, 10**4)
@@ -161,9 +163,36 @@ def make_workload(name: str) -> Workload:
             return h.square().mean()
 
         return Workload(list(blocks.parameters()), checkpointed)
+    if name == "function":
+        layer = nn.Linear(64, 64)
+        x = torch.randn(8, 64)
+
+        def layers() -> torch.Tensor:
+            h = x
+            for _ in range(20):
+                h = Square.apply(layer(h).tanh())
+            return h.sum()
+
+        return Workload(list(layer.parameters()), layers)
     if name.startswith("chain"):
         return chain(int(name[len("chain") :]))
     raise ValueError(f"unknown workload {name!r}")
+
+
+class Square(torch.autograd.Function):
+    """``x * x`` as a Python Function that does not declare itself traceable: replaygrad
+    runs its backward as itself, outside the compiled graph; torch's compiled autograd has
+    Dynamo trace it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
 
 
 def chain(n: int) -> Workload:
