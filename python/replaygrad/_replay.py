@@ -24,7 +24,7 @@ import inspect
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from types import CodeType, FunctionType, SimpleNamespace
@@ -600,27 +600,35 @@ def traced_step(error: BaseException) -> int | None:
     return getattr(raised, "__replaygrad_traced_step__", None) if raised is not None else None
 
 
-@contextlib.contextmanager
-def _outside_graph(deferred: list, step: int) -> Iterator[int]:
+class _outside_graph:
     """Code outside the graph (a hook, a node run as itself) running at the region's
-    ``step``; yields the plan's step. Before it, what the engine has done by then is done:
-    the deferred effects reached are performed (accumulations, retain_grads: the code may
-    read ``.grad``) and, without retain_graph, the saved variables of the nodes that ran are
-    released (it may reach them, e.g. ``grad_fn._saved_self``, or a backward through them,
-    which raises as in eager). The call can no longer start over. While it runs, the step's
-    node is the current autograd node (see :func:`current_autograd_node`)."""
-    run = _running()
-    run.restartable = False
-    plan_step = _step(step)
-    for values in (run.pending, deferred):
-        if values:
-            run.plan.run_deferred(values, complete=False)
-    run.plan.release_variables(plan_step)
-    run.current = plan_step
-    try:
-        yield plan_step
-    finally:
-        run.current = None
+    ``step``; entering gives the plan's step. Before it, what the engine has done by then is
+    done: the deferred effects reached are performed (accumulations, retain_grads: the code
+    may read ``.grad``) and, without retain_graph, the saved variables of the nodes that ran
+    are released (it may reach them, e.g. ``grad_fn._saved_self``, or a backward through
+    them, which raises as in eager). The call can no longer start over. While it runs, the
+    step's node is the current autograd node (see :func:`current_autograd_node`). (A class:
+    a generator's context manager costs 0.7 µs more, at every such step.)"""
+
+    __slots__ = ("deferred", "run", "step")
+
+    def __init__(self, deferred: list, step: int) -> None:
+        self.deferred = deferred
+        self.step = step
+
+    def __enter__(self) -> int:
+        run = self.run = _running()
+        run.restartable = False
+        plan_step = run.reached = run.base + self.step
+        for values in (run.pending, self.deferred):
+            if values:
+                run.plan.run_deferred(values, complete=False)
+        run.plan.release_variables(plan_step)
+        run.current = plan_step
+        return plan_step
+
+    def __exit__(self, *exc: object) -> None:
+        self.run.current = None
 
 
 def _check_saved(step: int, own: bool) -> None:
