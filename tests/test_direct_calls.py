@@ -231,3 +231,31 @@ def test_an_engine_call_from_code_dynamo_runs_replays_with_dynamo_off():
             torch.testing.assert_close([w.grad], expected)
     (reason,) = torch._dynamo.utils.counters["graph_break"]
     assert "run_backward" in reason
+
+
+def test_views_between_steps_outside_the_graph_run_with_them():
+    # A Linear's bias and weight AccumulateGrads, with post-accumulate-grad hooks, run in
+    # place between compiled regions; the weight's TBackward0 between them (a view) runs with
+    # them as Python, not as a compiled region of its own.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    x = torch.randn(4, 6)
+    seen = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda p, name=name: seen.append((name, p.grad.clone()))
+        )
+    params = list(model.parameters())
+
+    def forward():
+        return model(x).square().sum()
+
+    expected = eager_grads(forward, params)
+    expected_seen = list(seen)
+    for _ in range(3):
+        seen.clear()
+        torch.testing.assert_close(replay_grads(forward, params, "aot_eager"), expected)
+        assert [name for name, _ in seen] == [name for name, _ in expected_seen]
+        torch.testing.assert_close([g for _, g in seen], [g for _, g in expected_seen])
+    (entry,) = cache._entries.values()
+    assert [g.compiled for g in entry.replay.regions] == [True, False, True, False]

@@ -1330,6 +1330,7 @@ def regions(
         cuts = sorted({*cuts, *starts})
     outside = set(outside_steps(steps, hooks_in_graph, opaque)) if cut else set()
     if outside:
+        outside |= _views_beside(outside, steps)
         edges = (s for s in range(1, len(steps)) if (s in outside) != (s - 1 in outside))
         cuts = sorted({*cuts, *edges})
     factored = _products(plan, steps, opaque, hooked, absent, saved) if products and saved else {}
@@ -1382,6 +1383,46 @@ def regions(
         )
         python_hooks += used
     return tuple(out)
+
+
+#: torch's nodes whose backward makes a view or reshape of its gradient: nothing to compile.
+_VIEW_FORMULAS = frozenset(
+    {
+        "AliasBackward0",
+        "PermuteBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "SqueezeBackward2",
+        "TBackward0",
+        "TransposeBackward0",
+        "UnsafeViewBackward0",
+        "UnsqueezeBackward0",
+        "ViewBackward0",
+    }
+)
+
+
+def _views_beside(outside: set[int], steps: list) -> set[int]:
+    """The runs of traced view formulas (without hooks or captures) next to a step of
+    ``outside``, which run with it as Python: cut out between steps outside the graph (e.g.
+    a Linear's weight's TBackward0 between its bias's and weight's AccumulateGrads with
+    post-accumulate-grad hooks), such a run would be a compiled region whose call costs
+    ~25 µs (guards, AOTAutograd's wrappers and its regeneration of view outputs) for a
+    transpose that takes ~1 µs."""
+    found: set[int] = set()
+    run: list[int] = []
+    for s, step in enumerate([*steps, None]):
+        if step is not None and s not in outside and _plain_view(step):
+            run.append(s)
+            continue
+        if run and (run[0] - 1 in outside or s in outside):
+            found.update(run)
+        run = []
+    return found
+
+
+def _plain_view(step: tuple) -> bool:
+    return step[2] == "traced" and step[0] in _VIEW_FORMULAS and not step[10] and not step[11]
 
 
 #: The matrix-product nodes whose gradient of ``mat2`` is ``mat1.t() @ grad``: the output
