@@ -619,7 +619,7 @@ class _outside_graph:
     def __enter__(self) -> int:
         run = self.run = _running()
         run.restartable = False
-        plan_step = run.reached = run.base + self.step
+        plan_step = _step(self.step)
         for values in (run.pending, self.deferred):
             if values:
                 run.plan.run_deferred(values, complete=False)
