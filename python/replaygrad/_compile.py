@@ -20,7 +20,7 @@ import torch
 from . import _core
 from ._explain import key_difference
 from ._logging import Lazy, cache_log, recompiles_log, source_log
-from ._replay import Region, Replay, build, replay_inputs
+from ._replay import Region, Replay, build, replay_inputs, without_dynamo_wrapper
 
 #: What ``compiler=`` accepts: a torch.compile backend name, a callable that takes a
 #: function and returns a compiled one, or None (run the replay as plain Python).
@@ -451,12 +451,9 @@ def _direct_function(code: types.CodeType, scope: dict[str, Any]) -> types.Funct
             name = str(instruction.argval)
             if not name.startswith(_DIRECT_GLOBALS) or name not in scope:
                 return None
-            # The compiled graph without its torch._dynamo.disable wrapper: replays run with
-            # Dynamo off (see _engine._on_engine_call), so the wrapper's setting and
-            # restoring of the frame evaluation callback does nothing but cost ~2 µs.
-            value = scope[name]
-            plain = getattr(value, "_torchdynamo_orig_callable", value)
-            names[name] = _UNRECORDED if name == _DIRECT_GLOBALS[1] else plain
+            # The compiled graph without its torch._dynamo.disable wrapper.
+            is_utils = name == _DIRECT_GLOBALS[1]
+            names[name] = _UNRECORDED if is_utils else without_dynamo_wrapper(scope[name])
     return types.FunctionType(code, names)
 
 

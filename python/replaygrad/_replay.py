@@ -1143,13 +1143,19 @@ _RUNTIME = {
 }
 
 
+def without_dynamo_wrapper(fn: Any) -> Any:
+    """``fn`` without the wrapper of ``torch._dynamo.disable`` (``fn`` itself where it has
+    none), for calls made while Dynamo is off, as replays run (see
+    ``_engine._on_engine_call``): the wrapper keeps Dynamo out where a compiled region calls
+    ``fn`` (at a graph break); elsewhere its setting and restoring of the frame evaluation
+    callback does nothing but cost ~3 µs a call."""
+    return getattr(fn, "_torchdynamo_orig_callable", fn)
+
+
 def _without_dynamo_wrappers(runtime: dict[str, Any]) -> dict[str, Any]:
-    """``runtime`` for regions that run as Python: its functions without the wrappers of
-    ``torch._dynamo.disable``. Those keep Dynamo out of them where a compiled region calls
-    them (at a graph break); a region run as Python is called by the driver, which runs
-    with Dynamo off (see ``_engine._on_engine_call``), and the wrapper costs ~3 µs a call
-    (it sets and restores the frame evaluation callback)."""
-    return {name: getattr(fn, "_torchdynamo_orig_callable", fn) for name, fn in runtime.items()}
+    """``runtime`` for regions that run as Python (called by the driver, not by compiled
+    code): see :func:`without_dynamo_wrapper`."""
+    return {name: without_dynamo_wrapper(fn) for name, fn in runtime.items()}
 
 
 #: The runtime of the regions of compiled replays that run as Python (see :func:`regions`,
