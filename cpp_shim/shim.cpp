@@ -1214,9 +1214,10 @@ rg_status rg_node_name(rg_node* n, char* buf, size_t cap, size_t* len) {
 // Functions PyNode::is_traceable raises AttributeError and throws, a few microseconds a node
 // at every plan; the lookup raises nothing. -1 where `_forward_cls` is not a class.
 int python_function_traceable(PyObject* ctx) {
+  PyGILState_STATE gil = PyGILState_Ensure();
+  // Made on the first call, with the GIL held (the caller may not hold it).
   static PyObject* const forward_cls = PyUnicode_InternFromString("_forward_cls");
   static PyObject* const is_traceable = PyUnicode_InternFromString("is_traceable");
-  PyGILState_STATE gil = PyGILState_Ensure();
   int traceable = -1;
   PyObject* cls = ctx ? _PyType_Lookup(Py_TYPE(ctx), forward_cls) : nullptr;  // borrowed
   if (cls && PyType_Check(cls)) {
