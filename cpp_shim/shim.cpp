@@ -1993,6 +1993,104 @@ rg_status rg_node_apply(rg_node* n, rg_tensor* const* inputs, size_t n_inputs,
   RG_CATCH
 }
 
+rg_status rg_python_function_outputs(rg_node* n, PyObject* result, PyObject* sizes,
+                                     rg_tensor** out, size_t cap, size_t* n_out) {
+  RG_TRY
+  *n_out = 0;
+  Node& node = *as_node(n);
+  if (node_type(node) != NodeType::kPython) {
+    return fail(RG_KIND_RUNTIME, "rg_python_function_outputs: not a Python Function's node");
+  }
+  auto* fn = reinterpret_cast<THPFunction*>(static_cast<torch::autograd::PyNode&>(node).pyobj());
+  if (fn == nullptr) {
+    return fail(RG_KIND_RUNTIME, "rg_python_function_outputs: the Function's ctx is gone");
+  }
+  const std::vector<bool>& is_variable_input = fn->is_variable_input;
+  const auto expected = static_cast<Py_ssize_t>(is_variable_input.size());
+  THPObjectPtr values(PyTuple_Check(result) ? (Py_INCREF(result), result)
+                                            : PyTuple_Pack(1, result));
+  if (!values) {
+    throw python_error();
+  }
+  Py_ssize_t count = PyTuple_GET_SIZE(values.get());
+  if (count > expected) {
+    bool extra_none = true;
+    for (Py_ssize_t i = expected; i < count; ++i) {
+      extra_none = extra_none && PyTuple_GET_ITEM(values.get(), i) == Py_None;
+    }
+    if (extra_none) {
+      count = expected;
+    }
+  }
+  if (count != expected) {
+    return fail(RG_KIND_RUNTIME, ("function " + node.name() +
+                                  " returned an incorrect number of gradients (expected " +
+                                  std::to_string(expected) + ", got " + std::to_string(count) +
+                                  ")")
+                                     .c_str());
+  }
+  variable_list outputs;
+  outputs.reserve(node.num_outputs());
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    PyObject* value = PyTuple_GET_ITEM(values.get(), i);
+    if (!is_variable_input[i]) {
+      if (value != Py_None) {
+        return fail(RG_KIND_RUNTIME,
+                    ("function " + node.name() +
+                     " returned a gradient different than None at position " +
+                     std::to_string(i + 1) +
+                     ", but the corresponding forward input was not a Variable")
+                        .c_str());
+      }
+      continue;
+    }
+    if (value == Py_None) {
+      outputs.emplace_back();
+    } else if (THPVariable_Check(value)) {
+      outputs.emplace_back(THPVariable_Unpack(value));
+    } else {
+      return fail(RG_KIND_RUNTIME,
+                  (std::string("expected Variable or None (got ") + Py_TYPE(value)->tp_name + ")")
+                      .c_str());
+    }
+  }
+  if (sizes == nullptr) {
+    WithoutGil no_gil;
+    validate(node, node.next_edges(), outputs);
+    return hand_out(std::move(outputs), out, cap, n_out);
+  }
+  std::vector<std::optional<c10::SymInt>> symbolic;
+  for (const auto& item : py::handle(sizes)) {
+    symbolic.emplace_back(py::cast<c10::SymInt>(item));
+  }
+  GraphLock lock;
+  std::vector<int64_t> dims;
+  if (!edge_dims(node, dims) || symbolic.size() != dims.size()) {
+    return fail(RG_KIND_RUNTIME, "rg_python_function_outputs: wrong number of sizes");
+  }
+  // The metadata's shapes swapped for the given sizes while validating, as
+  // rg_node_apply_lifted does.
+  AutogradCompilerCall compiler{SizeInput::STATIC};
+  auto& node_call = compiler.node_calls.lookup(node.getptr());
+  TraceState state(std::move(symbolic), node.num_outputs());
+  SwapSavedVariables swap(compiler, state, nullptr, node_call);
+  auto& edges = const_cast<edge_list&>(node.next_edges());
+  swap.before(edges);
+  struct Restore {
+    SwapSavedVariables& swap;
+    edge_list& edges;
+    ~Restore() {
+      swap.after(edges);
+    }
+  } restore{swap, edges};
+  {
+    WithoutGil no_gil;
+    validate(node, edges, outputs);
+  }
+  return hand_out(std::move(outputs), out, cap, n_out);
+  RG_CATCH
+}
+
 rg_status rg_node_apply_lifted(rg_node* n, const rg_tensor* const* inputs, size_t n_inputs,
                                const rg_tensor* const* saved, size_t n_saved, PyObject* sizes,
                                rg_tensor** out, size_t cap, size_t* n_out) {

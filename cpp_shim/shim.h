@@ -208,6 +208,19 @@ rg_status rg_node_apply(rg_node* node, rg_tensor* const* inputs, size_t n_inputs
                         int take_inputs, const rg_sv* const* svs, const rg_tensor* const* saved,
                         size_t n_saved, const rg_planned_hooks* live, rg_tensor** out,
                         size_t cap, size_t* n_out);
+// What PyNode::apply does with what a Python Function's backward returned, for a backward
+// the replay called itself (traced into a compiled graph): a value that is not a tuple is
+// one gradient; trailing None beyond the Function's forward inputs are dropped; then the
+// count must match those inputs, the gradient of an input that was not a tensor must be
+// None, the others a tensor or None (each check raising the engine's RuntimeError), and the
+// tensor inputs' gradients are checked and cast by validate_outputs(next_edges), as the
+// engine's call_function does. `sizes` (or NULL): a Python sequence of int or torch.SymInt,
+// the dims of the input metadata the node's valid edges point at (see edge dims in
+// rg_collector_visit), which the outputs are validated against instead of the metadata's
+// own (symbolic while a compiler traces with dynamic shapes). Writes one entry per next
+// edge. Needs the GIL.
+rg_status rg_python_function_outputs(rg_node* node, PyObject* result, PyObject* sizes,
+                                     rg_tensor** out, size_t cap, size_t* n_out);
 // *out = 1 if the node has hooks other than `planned` that do something (not a Python hook
 // without callables), else 0; with `tensor_pre_only`, only tensor pre-hooks and retains_grad
 // hooks count (all the engine calls for a node it does not run). Needs the GIL.

@@ -174,6 +174,14 @@ extern "C" {
         cap: usize,
         n_out: *mut usize,
     ) -> c_int;
+    fn rg_python_function_outputs(
+        node: *mut RawNode,
+        result: PyObjectPtr,
+        sizes: PyObjectPtr,
+        out: *mut *mut C_tensor,
+        cap: usize,
+        n_out: *mut usize,
+    ) -> c_int;
     fn rg_node_has_new_hooks(
         node: *mut RawNode,
         planned: *const RawPlannedHooks,
@@ -713,6 +721,24 @@ pub fn apply_node(
                 n_out,
             )
         }
+    })
+}
+
+/// What a Python Function's node makes of `result`, the value its backward returned (the
+/// shim's `rg_python_function_outputs`: PyNode::apply's checks, then validate_outputs
+/// against the metadata its edges point at, with `sizes` for their dims if given): one
+/// entry per next edge. The GIL must be held (`result` and `sizes` are live objects).
+pub fn python_function_outputs(
+    node: &NodeRef,
+    num_outputs: u32,
+    result: &pyo3::Bound<'_, pyo3::PyAny>,
+    sizes: Option<&pyo3::Bound<'_, pyo3::PyAny>>,
+) -> Result<Vec<Option<Tensor>>, ShimError> {
+    let sizes = sizes.map_or(ptr::null_mut(), |s| s.as_ptr());
+    node_outputs(num_outputs, |out, cap, n_out| {
+        // SAFETY: the node is alive; `result` and `sizes` (or null) are live objects; the
+        // GIL is held.
+        unsafe { rg_python_function_outputs(node.as_ptr(), result.as_ptr(), sizes, out, cap, n_out) }
     })
 }
 

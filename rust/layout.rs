@@ -151,19 +151,22 @@ fn strided_gradients(graph: &Graph, n: u32) -> bool {
             .all(|e| !e.is_valid() || graph.nodes[e.node as usize].strided_inputs)
 }
 
-/// Whether the node can run inside a traced graph, before looking at its saved state.
-fn may_trace(node: &NodeRef, kind: NodeKind) -> Result<bool, ShimError> {
+/// Whether a node of this kind can run inside a traced graph, before looking at its saved
+/// state.
+fn may_trace(kind: NodeKind) -> bool {
     match kind {
-        NodeKind::AccumulateGrad => Ok(false),
+        NodeKind::AccumulateGrad => false,
         // CppNode<T> never reports T::is_traceable, so no C++ Function can be trusted.
-        NodeKind::CppFunction => Ok(false),
-        // A Python Function is traced only if it says so (`is_traceable = True`).
-        NodeKind::PythonFunction => node.is_traceable(),
+        NodeKind::CppFunction => false,
+        // A Python Function's backward is traced by the compiler where it says so
+        // (`is_traceable = True`), otherwise by Dynamo where the replay finds that it can be
+        // (see replaygrad._replay.functions_run_as_themselves): its state is laid out alike.
+        NodeKind::PythonFunction => true,
         // torch's own nodes: traced whenever compiled_args describes their state, as
         // torch's compiled autograd does. Their is_traceable() is about the TorchScript
         // tracer (false for every view's backward, e.g. TBackward0), not about running
         // them with swapped saved values.
-        NodeKind::Generic => Ok(true),
+        NodeKind::Generic => true,
     }
 }
 
@@ -289,7 +292,7 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
             } else {
                 StepMode::DeferredAccumulate
             }
-        } else if strided_gradients(graph, n) && may_trace(node, data.kind)? {
+        } else if strided_gradients(graph, n) && may_trace(data.kind) {
             StepMode::Traced
         } else {
             StepMode::Opaque
@@ -318,6 +321,15 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
                 sp.push(lifted as u8);
                 if lifted {
                     sizes.extend_from_slice(visited.sizes);
+                } else if data.kind == NodeKind::PythonFunction
+                    && !node.is_traceable()?
+                    && snapshot.edge_dims(edges, &mut sizes)
+                {
+                    // A Python Function that does not say it is traceable runs as itself,
+                    // or Dynamo traces its backward, guarding on the shapes it reads (see
+                    // replaygrad._replay.traced_functions): the key keeps no size, as an
+                    // opaque node's does not. Its outputs are validated against the lifted
+                    // shapes of the inputs its edges point at.
                 } else {
                     sizes.truncate(sizes_start as usize);
                     // Traced with the sizes it keeps, and its outputs validated against the

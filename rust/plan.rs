@@ -202,6 +202,18 @@ impl Plan {
         ffi::apply_node(node, num_outputs, inputs, svs, values, planned.as_ref())
     }
 
+    /// The gradients the step's Python Function node makes of `result`, what its backward
+    /// returned (see [`ffi::python_function_outputs`]).
+    pub fn function_outputs(
+        &self,
+        step: u32,
+        result: &pyo3::Bound<'_, pyo3::PyAny>,
+        sizes: Option<&pyo3::Bound<'_, pyo3::PyAny>>,
+    ) -> Result<Vec<Option<Tensor>>, ShimError> {
+        self.check_step(step)?;
+        ffi::python_function_outputs(self.node(step)?, self.num_outputs(step)?, result, sizes)
+    }
+
     /// Runs the step's AccumulateGrad on `grad` (see [`ffi::accumulate`]).
     pub fn accumulate(&self, step: u32, grad: Option<Tensor>) -> Result<(), ShimError> {
         let s = self.check_step(step)?;

@@ -257,6 +257,12 @@ impl PyPlan {
         PyList::new(py, out)
     }
 
+    /// Whether the step's node says it is traceable (a Python Function's `is_traceable`
+    /// class attribute; false where the class has none).
+    fn is_traceable(&self, step: u32) -> PyResult<bool> {
+        Ok(self.plan.node(step)?.is_traceable()?)
+    }
+
     /// The grad_fn object of one step (what `torch._C._current_autograd_node()` returns while
     /// the engine runs it).
     fn node_object<'py>(&self, py: Python<'py>, step: u32) -> PyResult<Bound<'py, PyAny>> {
@@ -461,6 +467,22 @@ impl PyPlan {
             (None, saved) => self.plan.apply(step, Inputs::Lent(&tensors), saved, live)?,
         };
         to_py_tuple(py, out)
+    }
+
+    /// The gradients a Python Function's step hands on, made of `result`, what the
+    /// Function's backward returned when the replay called it itself (traced into a compiled
+    /// graph): PyNode::apply's checks of the count and types, then validate_outputs, each
+    /// raising the engine's error; `sizes`: the step's lifted sizes (the dims of the
+    /// metadata its outputs are validated against), if given. One entry per next edge.
+    #[pyo3(signature = (step, result, sizes=None))]
+    fn function_outputs<'py>(
+        &self,
+        py: Python<'py>,
+        step: u32,
+        result: &Bound<'py, PyAny>,
+        sizes: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        to_py_tuple(py, self.plan.function_outputs(step, result, sizes)?)
     }
 
     /// Whether the step's node got hooks since the call was planned (registered by an

@@ -26,14 +26,15 @@ def _isolated():
 
 
 class Doubling(torch.autograd.Function):
-    """``x * 2`` as a Python Function that does not declare itself traceable: a step that
-    runs as itself (a graph break) in compiled replays."""
+    """``x * 2`` as a Python Function whose backward is kept out of compiled graphs
+    (``torch._dynamo.disable``): a step that runs as itself in compiled replays."""
 
     @staticmethod
     def forward(ctx, x):
         return x * 2
 
     @staticmethod
+    @torch._dynamo.disable
     def backward(ctx, grad):
         return grad * 2
 

@@ -218,16 +218,16 @@ def test_an_engine_call_from_code_dynamo_runs_replays_with_dynamo_off():
     expected = eager_grads(forward, [w])
 
     @torch.compile(backend="eager")
-    def step():
+    def step(loss):
         torch.autograd.Variable._execution_engine.run_backward(
-            (forward(),), (torch.ones(()),), False, False, (), True, True
+            (loss,), (torch.ones(()),), False, False, (), True, True
         )
 
     torch._dynamo.utils.counters.clear()
     with replaygrad.enable("aot_eager"):
         for _ in range(3):
             w.grad = None
-            step()
+            step(forward())
             torch.testing.assert_close([w.grad], expected)
     (reason,) = torch._dynamo.utils.counters["graph_break"]
     assert "run_backward" in reason

@@ -11,7 +11,7 @@ from . import _core
 from ._compile import CacheInfo, Compiler, Config, cache
 from ._engine import routed
 from ._explain import table, to_dot
-from ._replay import generate_source
+from ._replay import compiled_themselves, generate_source
 
 TensorOrTensors = torch.Tensor | Sequence[torch.Tensor]
 
@@ -129,7 +129,9 @@ class Plan:
     Attributes:
         order: node names in the order the engine runs them.
         saved: the saved-value layout: ``(step, node name)`` per slot, in replay-input order.
-        opaque: ``(step, node name)`` of the steps that run as themselves (graph breaks).
+        opaque: ``(step, node name)`` of the steps that run as themselves (graph breaks) in
+            a compiled replay (e.g. a custom Function whose backward Dynamo does not trace,
+            see the README's "What graph-breaks and why").
         key: the structural key: plans with equal keys share a compiled replay.
     """
 
@@ -140,10 +142,11 @@ class Plan:
         self.saved: list[tuple[int, str]] = [
             (s, step[0]) for s, step in enumerate(steps) for _ in range(step[6], step[7])
         ]
+        self._themselves = compiled_themselves(plan, steps)
         self.opaque: list[tuple[int, str]] = [
             (s, step[0])
             for s, step in enumerate(steps)
-            if step[2] in ("opaque", "eager_accumulate")
+            if step[2] in ("opaque", "eager_accumulate") or s in self._themselves
         ]
         self.key: str = plan.key
 
@@ -160,11 +163,11 @@ class Plan:
     def explain(self) -> str:
         """A table of the steps (node, sequence_nr, inputs, saved values, mode, hooks)
         followed by the replay source."""
-        return f"{table(self._plan)}\n\n{self.source}"
+        return f"{table(self._plan, self._themselves)}\n\n{self.source}"
 
     def to_dot(self) -> str:
         """Graphviz source of the plan; graph breaks are drawn red and dashed."""
-        return to_dot(self._plan)
+        return to_dot(self._plan, self._themselves)
 
     def __repr__(self) -> str:
         return (

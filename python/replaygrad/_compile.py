@@ -563,16 +563,18 @@ class ReplayCache:
     def move_hooks_outside(
         self, entry: Entry, plan: _core.Plan, config: Config, reason: str
     ) -> None:
-        """Rebuilds ``entry`` with its Python hooks called through graph breaks.
+        """Rebuilds ``entry`` with its Python hooks called through graph breaks, and its
+        Python Functions' backwards run as themselves.
 
-        Dynamo guards on the Python state a traced hook reads (e.g. the length of a list it
-        appends to), so such a hook makes every call recompile until Dynamo's recompile
-        limit, after which it stops compiling. Run outside the graph, hooks are plain
-        Python calls between compiled regions, with nothing to guard on. A hook the
-        compiler fails on runs there too.
+        Dynamo guards on the Python state a traced hook or backward reads (e.g. the length
+        of a list it appends to), so such code makes every call recompile until Dynamo's
+        recompile limit, after which it stops compiling. Run outside the graph, it runs as
+        plain Python between compiled regions, with nothing to guard on. Code the compiler
+        fails on runs there too.
         """
         recompiles_log.info(
-            "replay %s: %s; running its Python hooks outside the compiled graph from now on",
+            "replay %s: %s; running its Python hooks and Functions' backwards outside the "
+            "compiled graph from now on",
             plan.key,
             reason,
         )

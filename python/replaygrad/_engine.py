@@ -496,7 +496,8 @@ def _call_until_done(
                 run.pending.clear()
                 cache.stop_capturing(entry, plan, config)
                 continue
-            remedy = _remedy(entry, error, failed_to_compile, non_strided, bool(args[3]))
+            traced_code = bool(args[3] or entry.replay.functions)
+            remedy = _remedy(entry, error, failed_to_compile, non_strided, traced_code)
             if remedy is None:
                 raise
             if not run.restartable:
@@ -519,8 +520,9 @@ def _remedy(
     entry: Entry, error: Exception, failed_to_compile: bool, non_strided: set[int], hooks: bool
 ) -> str | set[int] | None:
     """What to change in ``entry``'s replay after ``error`` for the call to succeed: steps
-    to run as themselves, or where its hooks run (``hooks``: it has Python hooks); None
-    if nothing would help."""
+    to run as themselves, or where its hooks run (``hooks``: it has Python hooks or Python
+    Functions' backwards traced by Dynamo, which go where its hooks go); None if nothing
+    would help."""
     step = traced_step(error)
     if step is not None and step not in entry.opaque:
         return {step}
@@ -780,12 +782,14 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
             )
     entry.vetted = True
     if entry.replay.hooks_in_graph:
-        if hooks and _graphs_compiled() > graphs and _recompiled_for_hooks(entry, plan):
+        traced_code = hooks or entry.replay.functions
+        if traced_code and _graphs_compiled() > graphs and _recompiled_for_hooks(entry, plan):
             cache.move_hooks_outside(
                 entry,
                 plan,
                 config,
-                "it recompiled on a cache hit: its Python hooks touch state Dynamo guards on",
+                "it recompiled on a cache hit: its Python hooks or Python Functions' "
+                "backwards touch state Dynamo guards on",
             )
         elif run.asked_node:
             cache.move_hooks_outside(entry, plan, config, _ASKS_NODE)

@@ -9,13 +9,16 @@ from . import _core
 _GRAPH_BREAKS = ("opaque", "eager_accumulate")
 
 
-def table(plan: _core.Plan) -> str:
-    """One row per engine step: node, sequence_nr, inputs, saved values, mode, hooks."""
+def table(plan: _core.Plan, themselves: frozenset[int] = frozenset()) -> str:
+    """One row per engine step: node, sequence_nr, inputs, saved values, mode, hooks; the
+    traced steps in ``themselves`` (those a compiled replay runs as themselves) as
+    opaque."""
     rows = [("step", "node", "sequence_nr", "inputs", "saved", "mode", "hooks")]
     # Steps whose last saved values come from checkpointing's unpack hook, by block.
     hooked = {s: (count, group) for s, count, group in plan.hooked_steps()}
     for s, step in enumerate(plan.steps()):
         name, _kind, mode, seq, num_inputs, _n_out, a, b, slots, _targets, hooks, captures = step
+        mode = "opaque" if s in themselves else mode
         arrivals = sum(len(srcs) for srcs in slots)
         inputs = f"{num_inputs}" + (f" ({arrivals} grads)" if arrivals != num_inputs else "")
         hook_text = ",".join(f"{k}{'' if py else '[c++]'}" for k, _i, py, _v in hooks) or "-"
@@ -29,7 +32,9 @@ def table(plan: _core.Plan) -> str:
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    breaks = sum(1 for step in plan.steps() if step[2] in _GRAPH_BREAKS)
+    breaks = sum(
+        1 for s, step in enumerate(plan.steps()) if step[2] in _GRAPH_BREAKS or s in themselves
+    )
     blocks = len({group for _count, group in hooked.values()})
     lines.append(
         f"{plan.num_steps} steps, {plan.num_saved} saved values, {breaks} graph breaks"
@@ -45,13 +50,14 @@ def _quote(text: str) -> str:
     return f'"{escaped}"'
 
 
-def to_dot(plan: _core.Plan) -> str:
+def to_dot(plan: _core.Plan, themselves: frozenset[int] = frozenset()) -> str:
     """Graphviz source: one node per step (graph breaks in red), edges labelled with the
-    input they feed."""
+    input they feed; ``themselves``: see :func:`table`."""
     out = ["digraph replaygrad {", "  rankdir=TB;", "  node [shape=box, fontname=monospace];"]
     out.append('  root [label="root gradients", shape=ellipse];')
     for s, step in enumerate(plan.steps()):
         name, _kind, mode, _seq, _ni, _no, a, b, slots, _targets, hooks, _caps = step
+        mode = "opaque" if s in themselves else mode
         label = f"{s}: {name}\n{mode}"
         if b > a:
             label += f", {b - a} saved"

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dis
 import functools
 import hashlib
 import inspect
 import logging
+import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -31,6 +33,7 @@ from types import CodeType, FunctionType, SimpleNamespace
 from typing import Any, NoReturn
 
 import torch
+from torch._dynamo.external_utils import FakeBackwardCFunction
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
@@ -150,6 +153,11 @@ _CURRENT_NODE = frozenset({"_current_autograd_node"})
 #: traced_hooks_concern).
 _EFFECT_NAMES = frozenset({"grad", "backward"})
 
+#: The prefixes of a node's attributes for its saved values (``_saved_self``,
+#: ``_raw_saved_self``), which the engine releases once the node ran (see
+#: traced_hooks_concern).
+_SAVED = ("_saved_", "_raw_saved_")
+
 #: Names through which a hook can change hooks for later nodes of the backward it runs in.
 _HOOK_EDITS = frozenset(
     {
@@ -176,15 +184,16 @@ def traced_hooks_concern(hooks: list) -> str | None:
     """What keeps a Python hook of ``hooks`` (lists of callables) from being traced into
     the graph, if anything (see :func:`_hook_names`): ``"node"``, it may call
     ``torch._C._current_autograd_node()``, which only code outside the graph gets;
-    ``"effects"``, it may read or write a tensor's ``.grad``, or run a backward. Traced, it
-    would see ``.grad`` as it was when the graph started (accumulations and
-    ``retain_grad``'s values are applied after it, or at a graph break), and a backward of
-    its own through nodes that ran would find their saved values still there; outside the
-    graph it sees what the engine would have done by then."""
+    ``"effects"``, it may read or write a tensor's ``.grad``, run a backward, or read a
+    node's saved values (``_saved_self``). Traced, it would see ``.grad`` as it was when the
+    graph started (accumulations and ``retain_grad``'s values are applied after it, or at a
+    graph break), and a backward of its own through nodes that ran, or a look at their saved
+    values, would find them still there; outside the graph it sees what the engine would
+    have done by then."""
     names = _hook_names(hooks)
     if not _CURRENT_NODE.isdisjoint(names):
         return "node"
-    if not _EFFECT_NAMES.isdisjoint(names):
+    if not _EFFECT_NAMES.isdisjoint(names) or any(n.startswith(_SAVED) for n in names):
         return "effects"
     return None
 
@@ -217,10 +226,23 @@ def _reached(fn: object, depth: int) -> frozenset[str]:
 _CODE_REACHED: dict[int, tuple[CodeType, dict[int, frozenset[str]]]] = {}
 
 
+#: The opcodes that set or delete an attribute (one byte each, at the even offsets of
+#: ``co_code``).
+_SETS_ATTRIBUTES = frozenset({dis.opmap["STORE_ATTR"], dis.opmap["DELETE_ATTR"]})
+_SETS_ITEMS = frozenset({dis.opmap["STORE_SUBSCR"], dis.opmap["DELETE_SUBSCR"]})
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+
+#: The names :func:`_code_reached` gives code that writes into tensors (maybe): besides
+#: in-place methods (``mul_``), see :func:`traced_functions`.
+_WRITES = frozenset({"<sets items>", "<out=>"})
+
+
 def _code_reached(fn: FunctionType, depth: int) -> frozenset[str]:
     """The names ``fn``'s code and the code defined in it use as attributes or globals, and
     those reached from the functions its globals name, ``depth`` calls deep; kept by code
-    object (a code object's functions share their module's globals)."""
+    object (a code object's functions share their module's globals). Code that sets or
+    deletes an attribute adds the name ``"<sets attributes>"``, an item ``"<sets items>"``,
+    code that passes a keyword argument ``out`` ``"<out=>"``."""
     code = fn.__code__
     entry = _CODE_REACHED.get(id(code))
     if entry is None:
@@ -235,6 +257,13 @@ def _code_reached(fn: FunctionType, depth: int) -> frozenset[str]:
         while codes:
             c = codes.pop()
             found.update(c.co_names)
+            opcodes = c.co_code[::2]
+            if not _SETS_ATTRIBUTES.isdisjoint(opcodes) and not c.co_filename.startswith(_TORCH):
+                found.add("<sets attributes>")  # (torch's own, e.g. once_differentiable's: not)
+            if not _SETS_ITEMS.isdisjoint(opcodes):
+                found.add("<sets items>")
+            if any(isinstance(k, tuple) and "out" in k for k in c.co_consts):
+                found.add("<out=>")  # the names of a call's keyword arguments
             codes.extend(k for k in c.co_consts if isinstance(k, CodeType))
         names = frozenset(found)
         if depth > 0:
@@ -420,6 +449,78 @@ def apply_function(
     if _overlapping(inputs):
         return apply_opaque(deferred, step, inputs, False)
     return apply_traced(step, inputs, saved, sizes)
+
+
+class FunctionState:
+    """What the backward of a Python Function traced by Dynamo (see :func:`traced_functions`)
+    sees of its ctx besides its saved tensors: the attributes its forward set (plain values,
+    which the plan's key holds), ``needs_input_grad`` and the Function's class. Taken from
+    the node's ctx when the replay is built and shared by the regions of its key; it keeps
+    no tensor and no graph alive."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.__dict__.update(vars(ctx))
+        self._forward_cls = ctx._forward_cls
+        self.needs_input_grad = ctx.needs_input_grad
+
+
+def function_backward(
+    deferred: list,
+    step: int,
+    state: FunctionState,
+    inputs: list,
+    saved: list,
+    writes: bool,
+    sizes: list | None = None,
+) -> tuple:
+    """A Python Function's step whose backward Dynamo traces (see :func:`traced_functions`):
+    its backward called as the engine's PyNode::apply calls it, on a ctx that gives
+    ``saved`` as ``saved_tensors`` and ``state`` for the rest (as torch's compiled autograd
+    calls it), and its result checked and cast as PyNode::apply and validate_outputs do
+    (see :func:`function_outputs`; ``sizes``: the step's lifted sizes). Given a missing
+    gradient (which the engine would materialize as zeros), or one with elements sharing
+    memory (see :func:`_overlapping`) where the backward may write in place (``writes``),
+    decided while tracing, the node runs as itself instead, outside the graph."""
+    if any(g is None for g in inputs) or (writes and _overlapping(inputs)):
+        return apply_opaque(deferred, step, inputs, False)
+    ctx = FakeBackwardCFunction(state, tuple(saved))
+    return function_outputs(step, state._forward_cls.backward(ctx, *inputs), sizes)
+
+
+def _symbolic(values: Iterable[Any]) -> bool:
+    """Whether a tensor of ``values`` has symbolic sizes (traced with dynamic shapes; not
+    in code Dynamo traces, where a SymInt is an int)."""
+    return any(
+        isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape)
+        for v in values
+    )
+
+
+@torch._dynamo.allow_in_graph
+@torch._dynamo.disable
+def function_outputs(step: int, result: Any, sizes: list | None = None) -> tuple:
+    """The gradients a Python Function's step hands on, made of ``result``, what its backward
+    returned, validated against the shapes of the step's lifted ``sizes`` (see
+    ``Plan.function_outputs``): raises the engine's error, while traced too (so that the
+    step then runs as itself and raises where the engine would, see :func:`traced_step`).
+    Without lifted sizes (a nested tensor's metadata) and given symbolic ones, Dynamo runs
+    it outside the graph (where it may break the graph): the key keeps no size of a
+    Function's node (see ``traced_functions``), and validate_outputs would fix the sizes to
+    the node's."""
+    tracing = torch._guards.TracingContext.try_get() is not None
+    run = _running()
+    plan_step = int(run.base + step) if tracing else _step(step)
+    values = result if isinstance(result, tuple) else (result,)
+    fixed = sizes is None and tracing and _symbolic(values)
+    if fixed and _dynamo_fake_run() and _graph_breaks_allowed():
+        _outside_the_graph("validate_outputs of a Function's gradients with symbolic sizes", step)
+    try:
+        return run.plan.function_outputs(plan_step, result, sizes)
+    except Exception as error:
+        error.__replaygrad_node_error__ = True  # type: ignore[attr-defined]
+        if tracing:
+            error.__replaygrad_traced_step__ = plan_step  # type: ignore[attr-defined]
+        raise
 
 
 def _apply_symbolic(
@@ -645,6 +746,15 @@ def _check_saved(step: int, own: bool) -> None:
     i = bisect.bisect_right(run.breaks, step)
     last = run.breaks[i] if i < len(run.breaks) else run.plan.num_steps
     run.plan.check_saved_versions(step if own else step + 1, last)
+
+
+def saved_checked(step: int) -> None:
+    """The driver, after a region whose Python Function's backward at plan step ``step``,
+    traced into its graph, may have written in place (see :func:`traced_functions`):
+    raises what the engine would if it modified a value saved by a later traced step (as
+    :func:`_check_saved` after code outside the graph). Compiled, the later steps ran on
+    it all the same; the engine raises before they run."""
+    _check_saved(step, own=False)
 
 
 @torch._dynamo.disable
@@ -1096,6 +1206,12 @@ class Region:
     #: Compiled; False for the regions of a replay that allows no graph break which hold
     #: only steps run outside the graph (see :func:`regions`): they run as Python.
     compiled: bool = True
+    #: The ctx states of its Python Functions whose backward Dynamo traces, named ``F0``,
+    #: ``F1``, ... in its source (see :func:`function_backward`).
+    functions: tuple[FunctionState, ...] = ()
+    #: The plan's step of its first such backward that may write in place, if any (see
+    #: :func:`saved_checked`).
+    writes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -1114,11 +1230,15 @@ class Replay:
     escapes: bool = True
     #: Built for a compiler that allows no graph break (see :func:`build`).
     breakless: bool = False
+    #: The steps of Python Functions whose backward Dynamo traces into the graph (see
+    #: :func:`traced_functions`).
+    functions: tuple[int, ...] = ()
 
 
 _RUNTIME = {
     "apply_traced": apply_traced,
     "apply_function": apply_function,
+    "function_backward": function_backward,
     "apply_opaque": apply_opaque,
     "apply_accumulate": apply_accumulate,
     "unpack_saved": unpack_saved,
@@ -1182,11 +1302,29 @@ def generate_source(
     ``compiled``: as a compiler runs it (see :func:`replay_inputs`)."""
     steps = plan.steps()
     saved, scalars = replay_inputs(plan) if compiled else ((), frozenset())
-    opaque = opaque | steps_run_as_themselves(plan, steps)
+    themselves, functions = traced_functions(plan, steps, saved, compiled and hooks_in_graph)
+    opaque = opaque | steps_run_as_themselves(plan, steps) | themselves
     found = regions(
-        plan, steps, hooks_in_graph, opaque, region_size, saved, cut=compiled, scalars=scalars
+        plan,
+        steps,
+        hooks_in_graph,
+        opaque,
+        region_size,
+        saved,
+        cut=compiled,
+        scalars=scalars,
+        functions=functions,
     )
     return _replay_source(found, _driver_source(steps, found, plan.num_captures, hooks_in_graph))
+
+
+def compiled_themselves(plan: _core.Plan, steps: list) -> frozenset[int]:
+    """The traced steps of ``plan`` that a compiled replay (with Python code traced into
+    its graph, the default) runs as themselves (see :func:`steps_run_as_themselves` and
+    :func:`traced_functions`)."""
+    saved = () if plan.nested_inputs else replay_inputs(plan)[0]
+    themselves = traced_functions(plan, steps, saved, not plan.nested_inputs)[0]
+    return steps_run_as_themselves(plan, steps) | themselves
 
 
 def _replay_source(found: Sequence[Region], driver: str) -> str:
@@ -1230,6 +1368,116 @@ def steps_run_as_themselves(plan: _core.Plan, steps: list) -> frozenset[int]:
         for s, step in enumerate(steps)
         if step[2] == "traced" and _runs_as_itself(step[0], functools.partial(plan.node_object, s))
     )
+
+
+def traced_functions(
+    plan: _core.Plan, steps: list, saved: Sequence[Any], dynamo: bool
+) -> tuple[frozenset[int], dict[int, tuple[FunctionState, bool]]]:
+    """The traced steps of Python Functions that do not declare themselves traceable
+    (``is_traceable``): those whose backward Dynamo traces into the graph, each with the
+    state of its ctx (see :func:`function_backward`) and whether it may write in place (its
+    code names an in-place method, sets an item or passes ``out=``), and those that run as
+    themselves: all of them unless ``dynamo`` (a compiled replay with Python code traced
+    into its graph, see :func:`build`). A Function declared traceable is traced by the
+    compiler, running as itself on the values being traced (see :func:`apply_traced`).
+
+    Dynamo traces a backward as torch's compiled autograd does: it guards on what it reads,
+    breaks the graph where it cannot trace (e.g. a ``.item()`` it branches on), and
+    replays the backward's Python side effects after the graph. A backward runs as itself,
+    outside the graph, where that would not do what the engine does: where its code (as
+    looked at for traced hooks, see :func:`traced_hooks_concern`) may read ``.grad``, run a
+    backward, ask for the current autograd node, set an attribute (the ctx it gets is not
+    the node's), or use the ctx's autograd API beyond ``saved_tensors`` and
+    ``needs_input_grad`` (hooks, ``next_functions``, ``metadata``, ...); where it is
+    wrapped in ``torch._dynamo.disable`` (how a user keeps a backward out of compiled
+    graphs), is not a plain function, comes with ``vjp`` or ``boxed_grads_call``; where an
+    input gradient has no source (the engine materializes zeros); or where its saved tensors
+    are not plain (None, or one tensor saved twice: the replay's slots of a node follow its
+    distinct tensors); or where it may write in place and can reach a tensor other than its
+    saved tensors and gradients (see :func:`_outer_tensors`)."""
+    themselves: set[int] = set()
+    traced: dict[int, tuple[FunctionState, bool]] = {}
+    for s, step in enumerate(steps):
+        if step[1] != "python_function" or step[2] != "traced" or plan.is_traceable(s):
+            continue
+        ctx = plan.node_object(s) if dynamo else None
+        state = _traced_function_state(ctx, step, saved) if ctx is not None else None
+        if state is None:
+            themselves.add(s)
+        else:
+            traced[s] = state
+    return frozenset(themselves), traced
+
+
+#: The ctx's autograd API that a backward traced into the graph does not get (see
+#: :func:`traced_functions`): what ``BackwardCFunction`` has but ``saved_tensors``,
+#: ``needs_input_grad`` and ``_forward_cls``; with ``setattr``/``delattr`` and the marker
+#: of code that sets attributes (see :func:`_code_reached`).
+_CTX_API = frozenset(
+    name
+    for name in dir(torch.autograd.function.BackwardCFunction)
+    if not name.startswith("__")
+    # (`apply` and `requires_grad`, names of other objects too, e.g. a Function's `apply`
+    # and once_differentiable's look at its gradients, are left to Dynamo.)
+    and name not in ("saved_tensors", "needs_input_grad", "_forward_cls", "apply", "requires_grad")
+) | {"setattr", "delattr", "<sets attributes>"}
+
+
+def _traced_function_state(
+    ctx: Any, step: tuple, saved: Sequence[Any]
+) -> tuple[FunctionState, bool] | None:
+    """The state of a Python Function's ctx for :func:`function_backward` and whether its
+    backward may write in place, or None where it runs as itself (see
+    :func:`traced_functions`)."""
+    cls = ctx._forward_cls
+    backward = inspect.getattr_static(cls, "backward", None)
+    function = torch.autograd.Function
+    if (
+        not isinstance(backward, staticmethod)
+        or not isinstance(backward.__func__, FunctionType)
+        or hasattr(backward.__func__, "_torchdynamo_orig_callable")
+        or cls.backward is function.backward
+        or cls.vjp is not function.vjp
+        or getattr(cls, "boxed_grads_call", False)
+        or any(not sources for sources in step[8])
+    ):
+        return None
+    names = _hook_names([[backward.__func__]])
+    if traced_hooks_concern([[backward.__func__]]) is not None or not _CTX_API.isdisjoint(names):
+        return None
+    a, b = step[6], step[7]
+    try:
+        values = ctx.saved_tensors
+        if len(values) != b - a or not saved or any(saved[x] is None for x in range(a, b)):
+            return None
+        seen = {(v.data_ptr(), v.storage_offset(), v.shape, v.stride(), v.dtype) for v in values}
+    except Exception:  # freed, modified in place (raised where the node runs), not strided
+        return None
+    if len(seen) != len(values):
+        return None
+    writes = not _WRITES.isdisjoint(names) or any(
+        n.endswith("_") and not n.endswith("__") for n in names
+    )
+    if writes and _outer_tensors(backward.__func__, 2):
+        return None
+    return FunctionState(ctx), writes
+
+
+def _outer_tensors(fn: Any, depth: int) -> bool:
+    """Whether ``fn`` (a function), or one it reaches by a closure variable or a global
+    name (``depth`` calls deep, see :func:`_reached`), can reach a tensor (or a module,
+    which holds some) by one: a backward that writes into such a tensor in place (e.g. a
+    buffer it updates) runs as itself, where the engine sees the write when it happens
+    (compiled, it is copied back when the graph ends, counted in the tensor's version
+    differently)."""
+    if not isinstance(fn, FunctionType):
+        return False
+    values = [cell.cell_contents for cell in fn.__closure__ or () if _filled(cell)]
+    scope = fn.__globals__
+    values += [scope[name] for name in _code_reached(fn, 0) if name in scope]
+    if any(isinstance(v, (torch.Tensor, torch.nn.Module)) for v in values):
+        return True
+    return depth > 0 and any(_outer_tensors(v, depth - 1) for v in values if _followed(v, fn))
 
 
 #: The saved flags of torch's generated nodes that make their gradients sparse.
@@ -1296,6 +1544,7 @@ def regions(
     cut: bool = False,
     products: bool = False,
     scalars: frozenset[int] = frozenset(),
+    functions: dict[int, tuple[FunctionState, bool]] | None = None,
 ) -> tuple[Region, ...]:
     """Splits ``plan`` into regions of about ``region_size`` steps (see :func:`_cuts`; one
     region if None) and generates their source.
@@ -1320,7 +1569,9 @@ def regions(
     ``products`` (compiled replays but torch's debugging backends', see
     ``Config.products``): the weights whose gradient is a matrix product, or a sum of them,
     are accumulated from the factors (see :func:`_products`; needs ``saved``).
+    ``functions``: see :func:`traced_functions`.
     """
+    functions = functions or {}
     digests = plan.step_digests()
     size_ranges = plan.size_ranges()
     hooked = {step: (count, group) for step, count, group in plan.hooked_steps()}
@@ -1344,7 +1595,7 @@ def regions(
     python_hooks = 0
     for start, end in pairwise(cuts):
         unpacks = _unpack_groups(steps, hooked, start, end, opaque)
-        source, incoming, exports, captures, used = _region_source(
+        source, incoming, exports, captures, used, states = _region_source(
             steps,
             size_ranges,
             start,
@@ -1358,6 +1609,7 @@ def regions(
             absent,
             _region_products(factored, steps, saved, start, end),
             scalars,
+            functions,
         )
         a, b = (steps[start][6], steps[end - 1][7]) if end > start else (0, 0)
         identity = [
@@ -1385,6 +1637,8 @@ def regions(
                 any(_traced_copy_slices(steps[s], s, opaque) for s in range(start, end)),
                 tuple(first for first, _ in unpacks),
                 not outside.issuperset(range(start, end)),
+                states,
+                next((s for s in range(start, end) if functions.get(s, (0, False))[1]), None),
             )
         )
         python_hooks += used
@@ -1633,7 +1887,8 @@ def _region_source(
     absent: frozenset[int] = frozenset(),
     products: dict[int, tuple[tuple[tuple[int, int, bool, int], ...], ...]] | None = None,
     scalars: frozenset[int] = frozenset(),
-) -> tuple[str, tuple, tuple, tuple, int]:
+    functions: dict[int, tuple[FunctionState, bool]] | None = None,
+) -> tuple[str, tuple, tuple, tuple, int, tuple[FunctionState, ...]]:
     """Straight-line source for ``region(inc, saved, sizes, hooks, deferred)``, one block per step
     as engine.cpp runs it, and its interface: the incoming and exported input buffers (as
     ``(step, input)``), the captures, the number of Python hooks.
@@ -1662,8 +1917,13 @@ def _region_source(
     AccumulateGrad steps that take their gradient as a product's factors (see
     :func:`_products`; their matmul steps are in the region). ``scalars``: the saved slots
     whose values come lifted (see :func:`replay_inputs`), which the region indexes back.
+    ``functions``: the Python Functions' steps whose backward Dynamo traces (see
+    :func:`function_backward`), with their ctx states (returned for the region's steps in
+    the order its source names them) and whether they may write in place.
     """
     unpacked = unpacked or {}
+    functions = functions or {}
+    states: list[FunctionState] = []
     products = products or {}
     factors = {use[0] for blocks in products.values() for block in blocks for use in block}
     # The matmul steps that complete a block added up in the graph: its weight's step, the
@@ -1829,7 +2089,12 @@ def _region_source(
                 acc = sums[w] if more else "None"
                 body.append(f"{sums[w]} = product_block({acc}, {a}, {b})")
                 body.append(f"del {grads}")
-            if escapes and steps[s][1] == "python_function":
+            if s in functions:
+                state, writes = f"F{len(states)}", functions[s][1]
+                states.append(functions[s][0])
+                args = f"{state}, i, {saved_k}, {writes}{lifted}"
+                body.append(f"o{k} = function_backward(deferred, {k}, {args})")
+            elif escapes and steps[s][1] == "python_function":
                 body.append(f"o{k} = apply_function(deferred, {k}, i, {saved_k}{lifted})")
             else:
                 body.append(f"o{k} = apply_traced({k}, i, {saved_k}{lifted})")
@@ -1904,7 +2169,14 @@ def _region_source(
         f"    return ({returned}), captured",
     ]
     source = "\n".join(lines) + "\n"
-    return source, tuple(incoming), tuple(exports), tuple(captures), hook - hook_base
+    return (
+        source,
+        tuple(incoming),
+        tuple(exports),
+        tuple(captures),
+        hook - hook_base,
+        tuple(states),
+    )
 
 
 def _sum(terms: list[str]) -> str:
@@ -1962,6 +2234,8 @@ def _driver_source(
         hooks_ran = r > 0 and hooks_in_graph and regions[r - 1].hooks[1] > regions[r - 1].hooks[0]
         out.append(f"    d = at({g.start}{', True' if hooks_ran else ''})")
         out.append(f"    ({exported}), ({captured}) = R{r}([{', '.join(inc)}], {args}, d)")
+        if g.writes is not None:
+            out.append(f"    saved_checked({g.writes})")
     out.append("    return captured")
     return "\n".join(out) + "\n"
 
@@ -1991,7 +2265,9 @@ def build(
     graph break, see :func:`unpack_saved`), and Python hooks are not traced where anything
     runs outside the graph. ``products``: see :func:`regions`."""
     steps = plan.steps()
-    opaque = opaque | steps_run_as_themselves(plan, steps)
+    dynamo = not uncompiled and hooks_in_graph and escapes
+    themselves, traced = traced_functions(plan, steps, saved, dynamo)
+    opaque = opaque | steps_run_as_themselves(plan, steps) | themselves
     if breakless:
         opaque |= {step for step, _, _ in plan.hooked_steps()}
         if hooks_in_graph and outside_steps(steps, True, opaque):
@@ -1999,6 +2275,7 @@ def build(
             # hook in it fails to compile (which, with no graph break allowed, any hook Dynamo
             # cannot trace does): the hooks run between regions too.
             hooks_in_graph = False
+    traced = {s: state for s, state in traced.items() if s not in opaque}
     found = regions(
         plan,
         steps,
@@ -2010,8 +2287,9 @@ def build(
         not uncompiled,
         products,
         scalars,
+        traced,
     )
-    namespace: dict[str, Any] = {"at": at, "buffer_sum": buffer_sum}
+    namespace: dict[str, Any] = {"at": at, "buffer_sum": buffer_sum, "saved_checked": saved_checked}
 
     def make(g: Region) -> FunctionType:
         """The function of region ``g``, taken out of the scope it was defined in (its
@@ -2019,6 +2297,7 @@ def build(
         the cache drops them (see _compile._Compiled)."""
         runtime = _UNCOMPILED if uncompiled else _RUNTIME if g.compiled else _AS_PYTHON
         scope: dict[str, Any] = dict(runtime)
+        scope.update((f"F{n}", state) for n, state in enumerate(g.functions))
         exec(compile(g.source, f"<replaygrad region {g.key[:12]}>", "exec"), scope)
         return scope.pop("region")
 
@@ -2044,4 +2323,5 @@ def build(
         tuple(sorted({*outside_steps(steps, hooks_in_graph, opaque), *unpacks})),
         escapes,
         breakless,
+        tuple(traced),
     )

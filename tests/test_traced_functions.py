@@ -1,0 +1,467 @@
+"""Python Functions that do not declare themselves traceable: in compiled replays Dynamo
+traces their backward into the graph where that does what the engine does (see
+``replaygrad._replay.traced_functions``), and they run as themselves elsewhere. Every test
+compares with eager autograd on the same inputs."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+import torch
+from torch.autograd.function import once_differentiable
+
+import replaygrad
+from replaygrad._compile import cache
+
+from conftest import Doubling
+
+COMPILED = ["aot_eager", "inductor"]
+
+
+class Scaled(torch.autograd.Function):
+    """``x * x * k`` with a float on ctx and an input that is not a tensor."""
+
+    @staticmethod
+    def forward(ctx, x, k):
+        ctx.save_for_backward(x)
+        ctx.k = k
+        return x * x * k
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad * ctx.k if ctx.needs_input_grad[0] else None, None
+
+
+def layers(x, w, function=Scaled, depth=3):
+    for _ in range(depth):
+        x = function.apply(torch.tanh(x @ w), 0.5)
+    return x
+
+
+def grads(make_loss, params, compiler=False, **options):
+    for p in params:
+        p.grad = None
+    if compiler is False:
+        make_loss().backward()
+    else:
+        replaygrad.backward(make_loss(), compiler=compiler, **options)
+    return [p.grad.clone() for p in params]
+
+
+def entry():
+    (found,) = cache._entries.values()
+    return found
+
+
+@pytest.mark.parametrize("compiler", COMPILED)
+def test_a_functions_backward_is_traced_into_one_graph(compiler):
+    w = torch.randn(6, 6, requires_grad=True)
+    x = torch.randn(4, 6)
+
+    def loss():
+        return layers(x, w).sum()
+
+    expected = grads(loss, [w])
+    torch._dynamo.utils.counters.clear()
+    for _ in range(3):
+        torch.testing.assert_close(grads(loss, [w], compiler), expected)
+    assert not torch._dynamo.utils.counters["graph_break"]
+    replay = entry().replay
+    assert len(replay.functions) == 3 and replay.breaks == ()
+    assert [g.compiled for g in replay.regions] == [True]
+    assert "function_backward" in replay.source
+    assert replaygrad.cache_info().misses == 1
+
+
+def test_uncompiled_replays_run_functions_as_themselves():
+    w = torch.randn(6, 6, requires_grad=True)
+    x = torch.randn(4, 6)
+
+    def loss():
+        return layers(x, w).sum()
+
+    expected = grads(loss, [w])
+    assert torch.equal(grads(loss, [w], None)[0], expected[0])
+    assert entry().replay.functions == ()
+
+
+@pytest.mark.parametrize("compiler", COMPILED)
+def test_a_backward_kept_out_of_compiled_graphs_runs_as_itself(compiler):
+    # torch._dynamo.disable on a backward: a region of its own, run as Python.
+    w = torch.randn(5, requires_grad=True)
+
+    def loss():
+        return (Doubling.apply(w.sin()) * w).exp().sum()
+
+    expected = grads(loss, [w])
+    torch.testing.assert_close(grads(loss, [w], compiler), expected)
+    replay = entry().replay
+    assert replay.functions == ()
+    assert [g.compiled for g in replay.regions] == [True, False, True]
+
+
+class Counting(torch.autograd.Function):
+    """Appends to a list in its backward: a Python side effect, which Dynamo replays."""
+
+    calls: ClassVar[list] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, grad):
+        Counting.calls.append(grad.shape)
+        return grad * 3
+
+
+@pytest.mark.parametrize("compiler", COMPILED)
+def test_a_backward_with_a_side_effect_runs_once_a_call_and_stops_recompiling(compiler):
+    w = torch.randn(3, 4, requires_grad=True)
+
+    def loss():
+        return Counting.apply(w.cos()).sum()
+
+    Counting.calls = []
+    expected = grads(loss, [w])
+    assert Counting.calls == [torch.Size([3, 4])]
+    torch.testing.assert_close(grads(loss, [w], compiler), expected)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for n in range(3, 9):
+        torch.testing.assert_close(grads(loss, [w], compiler), expected)
+        assert Counting.calls == [torch.Size([3, 4])] * n
+    # Compiled once: Dynamo replays the append after the graph, and guards on nothing that
+    # the append changes.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert entry().replay.functions == (1,)
+
+
+class Stepping(torch.autograd.Function):
+    """Reads a global counter its backward increments: Dynamo guards on the value."""
+
+    step = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, grad):
+        Stepping.step += 1
+        return grad * Stepping.step
+
+
+@pytest.mark.parametrize("compiler", COMPILED)
+def test_a_backward_that_recompiles_every_call_runs_as_itself_from_then_on(compiler):
+    w = torch.randn(3, 4, requires_grad=True)
+
+    def loss():
+        return Stepping.apply(w.cos()).sum()
+
+    for n in range(6):
+        Stepping.step = n
+        expected = grads(loss, [w])
+        Stepping.step = n
+        torch.testing.assert_close(grads(loss, [w], compiler), expected)
+        assert Stepping.step == n + 1
+    # The second call recompiled (a guard on the counter failed): the backward runs
+    # outside the graph from then on, with nothing to guard on.
+    assert entry().replay.functions == ()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for n in range(6, 9):
+        Stepping.step = n
+        expected = grads(loss, [w])
+        Stepping.step = n
+        torch.testing.assert_close(grads(loss, [w], compiler), expected)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+class Branching(torch.autograd.Function):
+    """A backward that branches on its gradient's values."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        if grad.sum() > 0:
+            return grad * x
+        return grad - x
+
+
+@pytest.mark.parametrize("compiler", COMPILED)
+def test_a_backward_branching_on_data_follows_the_data(compiler):
+    w = torch.randn(5, requires_grad=True)
+    for sign in (1.0, -1.0, 1.0):
+
+        def loss(sign=sign):
+            return (Branching.apply(w.sin()) * sign).sum()
+
+        expected = grads(loss, [w])
+        torch.testing.assert_close(grads(loss, [w], compiler), expected)
+
+
+class OnceDifferentiable(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y):
+        ctx.save_for_backward(x, y)
+        return x * y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, y = ctx.saved_tensors
+        return grad * y, grad * x
+
+
+class Mixed(torch.autograd.Function):
+    """Tensor and non-tensor inputs, a gradient in another dtype (cast by the engine) and
+    one to be summed to its input's shape (validate_outputs)."""
+
+    @staticmethod
+    def forward(ctx, a, n, b):
+        ctx.save_for_backward(a, b)
+        return a * b * n
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        return (grad * b).double(), None, grad * a
+
+
+@pytest.mark.parametrize("compiler", COMPILED)
+def test_traced_backwards_get_the_engines_checks_and_casts(compiler):
+    a = torch.randn(3, 4, requires_grad=True)
+    b = torch.randn(4, requires_grad=True)
+
+    def loss():
+        x = OnceDifferentiable.apply(a.tanh(), b.sin())
+        return Mixed.apply(x, 2, b).exp().sum()
+
+    expected = grads(loss, [a, b])
+    for _ in range(2):
+        torch.testing.assert_close(grads(loss, [a, b], compiler), expected)
+    assert len(entry().replay.functions) == 2
+
+
+class TwoOutputs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2, x * 3
+
+    @staticmethod
+    def backward(ctx, g1, g2):
+        return g1 * 2 + g2 * 3
+
+
+@pytest.mark.parametrize("compiler", COMPILED)
+def test_an_unused_output_gets_zeros_as_in_eager(compiler):
+    w = torch.randn(4, requires_grad=True)
+
+    def loss():
+        first, _ = TwoOutputs.apply(w.cos())
+        return first.sum()
+
+    expected = grads(loss, [w])
+    torch.testing.assert_close(grads(loss, [w], compiler), expected)
+    assert entry().replay.functions == ()  # the engine materializes the zeros
+
+
+class WritesGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.mul_(2)
+
+
+@pytest.mark.parametrize("compiler", COMPILED)
+def test_a_backward_writing_into_an_expanded_gradient_raises_as_in_eager(compiler):
+    w = torch.randn(4, requires_grad=True)
+
+    def loss():
+        return WritesGrad.apply(w.cos()).sum()  # sum's gradient is expanded
+
+    with pytest.raises(RuntimeError) as eager:
+        loss().backward()
+    with pytest.raises(RuntimeError) as replayed:
+        replaygrad.backward(loss(), compiler=compiler)
+    assert str(replayed.value) == str(eager.value)
+
+    def dense():
+        return (WritesGrad.apply(w.cos()) * w).sum()
+
+    expected = grads(dense, [w])
+    cache.clear()
+    torch.testing.assert_close(grads(dense, [w], compiler), expected)
+
+
+class Remembering(torch.autograd.Function):
+    """Counts its backward calls on ctx: only the node's own ctx keeps that."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.calls = 0
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.calls += 1
+        return grad * ctx.calls
+
+
+@pytest.mark.parametrize("compiler", COMPILED)
+def test_a_backward_setting_ctx_attributes_runs_as_itself(compiler):
+    w = torch.randn(4, requires_grad=True)
+    results = []
+    for replay in (False, True):
+        w.grad = None
+        y = Remembering.apply(w.sin()).sum()
+        for _ in range(3):
+            if replay:
+                replaygrad.backward(y, compiler=compiler, retain_graph=True)
+            else:
+                y.backward(retain_graph=True)
+        results.append(w.grad.clone())
+    torch.testing.assert_close(results[1], results[0])
+
+
+def bad(returned):
+    class Bad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, n):
+            return x * n
+
+        @staticmethod
+        def backward(ctx, grad):
+            return returned(grad)
+
+    return Bad
+
+
+@pytest.mark.parametrize("compiler", COMPILED)
+@pytest.mark.parametrize(
+    "returned",
+    [
+        lambda g: g,  # one gradient for two inputs
+        lambda g: (g, g),  # a gradient for the int
+        lambda g: (g, None, None, g),  # an extra one that is not None
+        lambda g: (3, None),  # not a tensor
+        lambda g: (g[:2], None),  # the wrong shape
+        lambda g: [g, None],  # a list is one value
+    ],
+)
+def test_bad_gradients_raise_the_engines_error(compiler, returned):
+    function = bad(returned)
+    w = torch.randn(4, requires_grad=True)
+
+    def loss():
+        return function.apply(w.cos(), 2).sum()
+
+    with pytest.raises(Exception) as eager:
+        loss().backward()
+    for _ in range(2):
+        with pytest.raises(Exception) as replayed:
+            replaygrad.backward(loss(), compiler=compiler)
+        assert type(replayed.value) is type(eager.value)
+        assert str(replayed.value) == str(eager.value)
+
+
+class Raising(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("no backward today")
+
+
+@pytest.mark.parametrize("compiler", COMPILED)
+def test_a_backward_that_raises_raises_as_in_eager(compiler):
+    w = torch.randn(4, requires_grad=True)
+
+    def loss():
+        return (Raising.apply(w.cos()) * w).sum()
+
+    w.grad = None
+    with pytest.raises(ValueError, match="no backward today"):
+        loss().backward()
+    assert w.grad is None  # the Function's node runs before w's AccumulateGrad
+    for _ in range(2):
+        with pytest.raises(ValueError, match="no backward today"):
+            replaygrad.backward(loss(), compiler=compiler)
+        assert w.grad is None
+
+
+@pytest.mark.parametrize("compiler", COMPILED)
+def test_a_function_with_another_ctx_state_compiles_its_own_replay(compiler):
+    w = torch.randn(6, 6, requires_grad=True)
+    x = torch.randn(4, 6)
+    for k in (0.5, 0.5, 2.0, 2.0):
+
+        def loss(k=k):
+            return Scaled.apply(torch.tanh(x @ w), k).sum()
+
+        expected = grads(loss, [w])
+        torch.testing.assert_close(grads(loss, [w], compiler), expected)
+    assert replaygrad.cache_info().misses == 2
+
+
+@pytest.mark.parametrize("compiler", COMPILED)
+def test_a_traced_backward_keeps_no_tensor_alive(compiler):
+    import gc
+    import weakref
+
+    w = torch.randn(6, 6, requires_grad=True)
+    x = torch.randn(4, 6)
+    activation = torch.tanh(x @ w)
+    alive = weakref.ref(activation)
+    replaygrad.backward(Scaled.apply(activation, 0.5).sum(), compiler=compiler)
+    assert len(entry().replay.functions) == 1
+    del activation
+    gc.collect()
+    assert alive() is None
+
+
+class ScalesSaved(torch.autograd.Function):
+    """Writes into its saved input in place (to save memory), which a later node saved too."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * x.mul_(2)
+
+
+@pytest.mark.parametrize("compiler", COMPILED)
+def test_a_backward_writing_into_a_value_a_later_node_saved_raises_as_in_eager(compiler):
+    w = torch.randn(4, requires_grad=True)
+
+    def loss():
+        x = w.sin()
+        later = x.cos()  # CosBackward0 saved x; it runs after the Function's node
+        return (ScalesSaved.apply(x) + later).sum()
+
+    with pytest.raises(RuntimeError) as eager:
+        loss().backward()
+    for _ in range(2):
+        with pytest.raises(RuntimeError) as replayed:
+            replaygrad.backward(loss(), compiler=compiler)
+        # (The version: the compiled graph's write is copied back when it ends.)
+        assert (
+            str(replayed.value).split(" is at version")[0]
+            == str(eager.value).split(" is at version")[0]
+        )
+    assert len(entry().replay.functions) == 1
