@@ -151,22 +151,22 @@ fn strided_gradients(graph: &Graph, n: u32) -> bool {
             .all(|e| !e.is_valid() || graph.nodes[e.node as usize].strided_inputs)
 }
 
-/// Whether a node of this kind can run inside a traced graph, before looking at its saved
-/// state.
-fn may_trace(kind: NodeKind) -> bool {
+/// Whether the node can run inside a traced graph, before looking at its saved state;
+/// `trace_functions`: see [`layout`].
+fn may_trace(node: &NodeRef, kind: NodeKind, trace_functions: bool) -> Result<bool, ShimError> {
     match kind {
-        NodeKind::AccumulateGrad => false,
+        NodeKind::AccumulateGrad => Ok(false),
         // CppNode<T> never reports T::is_traceable, so no C++ Function can be trusted.
-        NodeKind::CppFunction => false,
+        NodeKind::CppFunction => Ok(false),
         // A Python Function's backward is traced by the compiler where it says so
         // (`is_traceable = True`), otherwise by Dynamo where the replay finds that it can be
-        // (see replaygrad._replay.functions_run_as_themselves): its state is laid out alike.
-        NodeKind::PythonFunction => true,
+        // (see replaygrad._replay.traced_functions): its state is laid out alike.
+        NodeKind::PythonFunction => Ok(trace_functions || node.is_traceable()?),
         // torch's own nodes: traced whenever compiled_args describes their state, as
         // torch's compiled autograd does. Their is_traceable() is about the TorchScript
         // tracer (false for every view's backward, e.g. TBackward0), not about running
         // them with swapped saved values.
-        NodeKind::Generic => true,
+        NodeKind::Generic => Ok(true),
     }
 }
 
@@ -213,7 +213,11 @@ fn put_u32(buf: &mut Vec<u8>, v: u32) {
 
 /// Visits every step's node (in execution order) and lays out its saved values and hooks,
 /// with the digests of everything a compiled replay specialises on and the key over them.
-pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimError> {
+/// `trace_functions`: the replay may have Dynamo trace the backward of Python Functions
+/// that do not say they are traceable (a compiled one), so their state is laid out;
+/// otherwise they run as themselves (opaque), holding their saved values alone, which the
+/// engine frees when they ran.
+pub fn layout(snapshot: &Snapshot, schedule: &Schedule, trace_functions: bool) -> Result<Layout, ShimError> {
     let graph = &snapshot.graph;
     let mut collector = Collector::new()?;
     let mut steps = Vec::with_capacity(schedule.len());
@@ -292,7 +296,7 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule) -> Result<Layout, ShimEr
             } else {
                 StepMode::DeferredAccumulate
             }
-        } else if strided_gradients(graph, n) && may_trace(data.kind) {
+        } else if strided_gradients(graph, n) && may_trace(node, data.kind, trace_functions)? {
             StepMode::Traced
         } else {
             StepMode::Opaque

@@ -45,12 +45,12 @@ impl Plan {
     /// Plans the backward from root edges (the gradient edges of the root tensors), over
     /// the whole graph (`.backward()`).
     pub fn build(roots: &[(NodeRef, u32)]) -> Result<Plan, ShimError> {
-        Plan::build_for(roots, None, true)
+        Plan::build_for(roots, None, true, true)
     }
 
     /// Plans a backward with respect to `outputs` (the edges of `inputs=`, None for an
     /// input without a node), accumulating into them (`backward(inputs=)`) or capturing
-    /// their gradients (`autograd.grad`).
+    /// their gradients (`autograd.grad`). `trace_functions`: see [`layout`].
     ///
     /// The schedule is the one of an engine without a compiled-autograd hook (a single
     /// root is queued directly, not through a GraphRoot), even when the call came through
@@ -59,13 +59,14 @@ impl Plan {
         roots: &[(NodeRef, u32)],
         outputs: Option<&[Option<(NodeRef, u32)>]>,
         accumulate_grad: bool,
+        trace_functions: bool,
     ) -> Result<Plan, ShimError> {
         // Not while another thread has its values swapped into the nodes.
         let _lock = ffi::GraphsLock::acquire()?;
         let snapshot = snapshot(roots, outputs.unwrap_or(&[]))?;
         let exec = outputs.map(|_| ExecInfo::new(&snapshot.graph, accumulate_grad));
         let schedule = schedule(&snapshot.graph, exec.as_ref(), false);
-        let layout = layout(&snapshot, &schedule)?;
+        let layout = layout(&snapshot, &schedule, trace_functions)?;
         Ok(Plan {
             snapshot,
             schedule,

@@ -718,17 +718,20 @@ fn input_edges(inputs: &Bound<'_, PyAny>) -> PyResult<Vec<Option<(NodeRef, u32)>
 /// the engine would and lays out its saved values. With `inputs` (tensors or
 /// GradientEdges), plans a backward with respect to them: accumulating into them
 /// (`backward(inputs=)`) or capturing their gradients (`autograd.grad`).
+/// `trace_functions`: for a compiled replay, which may trace Python Functions that do not
+/// say they are traceable (their saved values are laid out); else they are opaque.
 #[pyfunction]
-#[pyo3(signature = (roots, inputs=None, accumulate_grad=true))]
+#[pyo3(signature = (roots, inputs=None, accumulate_grad=true, trace_functions=true))]
 fn plan(
     roots: &Bound<'_, PyAny>,
     inputs: Option<&Bound<'_, PyAny>>,
     accumulate_grad: bool,
+    trace_functions: bool,
 ) -> PyResult<PyPlan> {
     let edges = root_edges(roots)?;
     let outputs = inputs.map(input_edges).transpose()?;
     Ok(PyPlan {
-        plan: Plan::build_for(&edges, outputs.as_deref(), accumulate_grad)?,
+        plan: Plan::build_for(&edges, outputs.as_deref(), accumulate_grad, trace_functions)?,
         call: None,
         effects_done: AtomicUsize::new(0),
         released: AtomicUsize::new(0),
@@ -741,13 +744,16 @@ fn plan(
 /// engine: `grads` are taken as the engine's validated root gradients (the caller checked
 /// that validate_outputs would keep them as they are).
 #[pyfunction]
-#[pyo3(signature = (tensors, grads, keep_graph, inputs=None, accumulate_grad=true))]
+#[pyo3(signature = (
+    tensors, grads, keep_graph, inputs=None, accumulate_grad=true, trace_functions=true
+))]
 fn plan_backward(
     tensors: &Bound<'_, PyAny>,
     grads: &Bound<'_, PyAny>,
     keep_graph: bool,
     inputs: Option<&Bound<'_, PyAny>>,
     accumulate_grad: bool,
+    trace_functions: bool,
 ) -> PyResult<PyPlan> {
     let roots = root_edges(tensors)?;
     let root_grads = to_tensors(grads, "grads")?;
@@ -765,7 +771,7 @@ fn plan_backward(
     }
     let outputs = inputs.map(input_edges).transpose()?;
     Ok(PyPlan {
-        plan: Plan::build_for(&roots, outputs.as_deref(), accumulate_grad)?,
+        plan: Plan::build_for(&roots, outputs.as_deref(), accumulate_grad, trace_functions)?,
         call: Some(CallData {
             root_grads,
             accumulate_grad,
@@ -778,14 +784,21 @@ fn plan_backward(
 
 /// Plans the backward call the engine handed to the hook's callback (`call` is the capsule
 /// it passed). Returns None for calls replaygrad leaves to the engine (create_graph=True).
+/// `trace_functions`: see [`plan`].
 #[pyfunction]
-fn plan_engine_call(call: &Bound<'_, PyAny>) -> PyResult<Option<PyPlan>> {
+#[pyo3(signature = (call, trace_functions=true))]
+fn plan_engine_call(call: &Bound<'_, PyAny>, trace_functions: bool) -> PyResult<Option<PyPlan>> {
     // SAFETY: live object, GIL held.
     let call = unsafe { EngineCall::read(call.as_ptr()) }?;
     if call.create_graph {
         return Ok(None);
     }
-    let plan = Plan::build_for(&call.roots, call.outputs.as_deref(), call.accumulate_grad)?;
+    let plan = Plan::build_for(
+        &call.roots,
+        call.outputs.as_deref(),
+        call.accumulate_grad,
+        trace_functions,
+    )?;
     Ok(Some(PyPlan {
         plan,
         call: Some(CallData {

@@ -465,3 +465,40 @@ def test_a_backward_writing_into_a_value_a_later_node_saved_raises_as_in_eager(c
             == str(eager.value).split(" is at version")[0]
         )
     assert len(entry().replay.functions) == 1
+
+
+class KeptOut(torch.autograd.Function):
+    """Saves its input; its backward runs as itself (kept out of compiled graphs)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    @torch._dynamo.disable
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * 2 + 0 * x
+
+
+def test_uncompiled_a_function_frees_its_saved_tensors_when_it_ran():
+    # The engine releases a node's saved variables once it ran: a tensor only the
+    # Function saved is freed then, before the nodes after it run. (A compiled replay holds
+    # its saved values until the call ends, also those of a Function run as itself: the
+    # README's Known limitations.)
+    import weakref
+
+    def observed(backward):
+        w = torch.randn(4, requires_grad=True)
+        big = w * 3
+        alive = weakref.ref(big)
+        y = KeptOut.apply(big)
+        seen = []
+        big.grad_fn.register_prehook(lambda grads: seen.append(alive() is not None))
+        del big
+        backward((y * w).sum())
+        return seen
+
+    assert observed(lambda loss: loss.backward()) == [False]
+    assert observed(lambda loss: replaygrad.backward(loss, compiler=None)) == [False]

@@ -104,14 +104,16 @@ def plan(
     roots: Iterable[_Root],
     inputs: Iterable[_Root] | None = None,
     accumulate_grad: bool = True,
+    trace_functions: bool = True,
 ) -> Plan: ...
-def plan_engine_call(call: object) -> Plan | None: ...
+def plan_engine_call(call: object, trace_functions: bool = True) -> Plan | None: ...
 def plan_backward(
     tensors: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor | None],
     keep_graph: bool,
     inputs: Iterable[_Root] | None = None,
     accumulate_grad: bool = True,
+    trace_functions: bool = True,
 ) -> Plan: ...
 
 class CppWarnings:

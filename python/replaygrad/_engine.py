@@ -239,7 +239,9 @@ def _replay_without_engine(
         ):
             return None
     try:
-        plan = _core.plan_backward(tensors, grads, retain_graph, inputs, accumulate_grad)
+        plan = _core.plan_backward(
+            tensors, grads, retain_graph, inputs, accumulate_grad, config.compiler is not None
+        )
     except RuntimeError:
         return None  # the engine plans it again, and raises where eager does
     if not plan.runs_only_formulas:
@@ -352,7 +354,7 @@ def _on_engine_call(call: Any) -> tuple[torch.Tensor | None, ...] | None:
         _leave_to_engine(reason)
         return None
     try:
-        plan = _core.plan_engine_call(call)
+        plan = _core.plan_engine_call(call, config.compiler is not None)
     except RuntimeError as error:
         # A saved value that cannot be unpacked (released graph, modified in place, an
         # unpack hook raising): the engine raises it where eager does, after running the

@@ -479,7 +479,7 @@ fn only_formulas_and_the_roots_a_plan_was_made_for() {
     let w = leaf(&[3.0, 4.0]);
     let z = (&x * &w).sum(Kind::Float);
     let input = NodeRef::input_edge(&x).unwrap();
-    let plan = Plan::build_for(&[edge(&z)], Some(&[input]), false).expect("plan");
+    let plan = Plan::build_for(&[edge(&z)], Some(&[input]), false, true).expect("plan");
     assert!(plan.layout.steps.iter().any(|s| s.mode == StepMode::Skipped));
     assert!(plan.runs_only_formulas(), "steps not needed run nothing");
     let w_edge = NodeRef::input_edge(&w).unwrap();
