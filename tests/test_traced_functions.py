@@ -502,3 +502,30 @@ def test_uncompiled_a_function_frees_its_saved_tensors_when_it_ran():
 
     assert observed(lambda loss: loss.backward()) == [False]
     assert observed(lambda loss: replaygrad.backward(loss, compiler=None)) == [False]
+
+
+@pytest.mark.parametrize("compiler", COMPILED)
+def test_regions_alike_but_for_a_functions_ctx_state_do_not_share_it(compiler):
+    # Layers of one structure split into regions of a layer each: a Function's ctx state
+    # (its scale) is part of the region's key, so a layer with another scale gets a region
+    # of its own.
+    w = torch.randn(6, 6, requires_grad=True)
+    x = torch.randn(4, 6)
+
+    def loss():
+        h = x
+        for k in (0.5, 0.5, 0.5, 2.0, 0.5, 2.0):
+            h = Scaled.apply(torch.tanh(h @ w), k)
+        return h.sum()
+
+    expected = grads(loss, [w])
+    prior = cache.region_size
+    replaygrad.set_region_size(3)
+    try:
+        for _ in range(2):
+            torch.testing.assert_close(grads(loss, [w], compiler), expected)
+        replay = entry().replay
+        assert len(replay.regions) > 3 and len(replay.functions) == 6
+        assert len({g.key for g in replay.regions}) < len(replay.regions)
+    finally:
+        replaygrad.set_region_size(prior)
