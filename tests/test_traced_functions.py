@@ -529,3 +529,31 @@ def test_regions_alike_but_for_a_functions_ctx_state_do_not_share_it(compiler):
         assert len({g.key for g in replay.regions}) < len(replay.regions)
     finally:
         replaygrad.set_region_size(prior)
+
+
+class ClearsOnAccess(torch.autograd.Function):
+    clear_saved_tensors_on_access = True
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+@pytest.mark.parametrize("compiler", COMPILED)
+def test_a_function_clearing_its_saved_tensors_on_access_runs_as_itself(compiler):
+    # Looking at its saved tensors when the replay is built would clear them.
+    w = torch.randn(4, requires_grad=True)
+
+    def loss():
+        return (ClearsOnAccess.apply(w.sin()) * w).sum()
+
+    expected = grads(loss, [w])
+    for _ in range(2):
+        torch.testing.assert_close(grads(loss, [w], compiler), expected)
+    assert entry().replay.functions == ()

@@ -1390,7 +1390,8 @@ def traced_functions(
     the node's), or use the ctx's autograd API beyond ``saved_tensors`` and
     ``needs_input_grad`` (hooks, ``next_functions``, ``metadata``, ...); where it is
     wrapped in ``torch._dynamo.disable`` (how a user keeps a backward out of compiled
-    graphs), is not a plain function, comes with ``vjp`` or ``boxed_grads_call``; where an
+    graphs), is not a plain function, comes with ``vjp``, ``boxed_grads_call`` or
+    ``clear_saved_tensors_on_access``; where an
     input gradient has no source (the engine materializes zeros); or where its saved tensors
     are not plain (None, or one tensor saved twice: the replay's slots of a node follow its
     distinct tensors); or where it may write in place and can reach a tensor other than its
@@ -1439,6 +1440,8 @@ def _traced_function_state(
         or cls.backward is function.backward
         or cls.vjp is not function.vjp
         or getattr(cls, "boxed_grads_call", False)
+        # (Looked at below, its saved tensors would be cleared before its backward runs.)
+        or getattr(cls, "clear_saved_tensors_on_access", False)
         or any(not sources for sources in step[8])
     ):
         return None
