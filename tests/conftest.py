@@ -39,6 +39,24 @@ class Doubling(torch.autograd.Function):
         return grad * 2
 
 
+class Through:
+    """Counts the calls of the regions compiled so far that go through Dynamo (their
+    ``torch.compile``d function)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.regions = list(cache._regions.values())
+        for region in self.regions:
+            region.fn = self._counting(region.fn)
+
+    def _counting(self, fn):
+        def call(*args):
+            self.calls += 1
+            return fn(*args)
+
+        return call
+
+
 def all_nodes(roots: Sequence[torch.Tensor]) -> list:
     """Every grad_fn reachable from the roots (Python walk over next_functions)."""
     seen: dict[int, object] = {}

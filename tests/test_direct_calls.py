@@ -11,25 +11,7 @@ import torch
 import replaygrad
 from replaygrad._compile import _Compiled, cache
 
-from conftest import Doubling
-
-
-class Through:
-    """Counts the calls of the regions compiled so far that go through Dynamo (their
-    ``torch.compile``d function)."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.regions = list(cache._regions.values())
-        for region in self.regions:
-            region.fn = self._counting(region.fn)
-
-    def _counting(self, fn):
-        def call(*args):
-            self.calls += 1
-            return fn(*args)
-
-        return call
+from conftest import Doubling, Through
 
 
 def grads_of(params):

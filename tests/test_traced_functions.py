@@ -14,7 +14,7 @@ from torch.autograd.function import once_differentiable
 import replaygrad
 from replaygrad._compile import cache
 
-from conftest import Doubling
+from conftest import Doubling, Through
 
 COMPILED = ["aot_eager", "inductor"]
 
@@ -65,6 +65,8 @@ def test_a_functions_backward_is_traced_into_one_graph(compiler):
 
     expected = grads(loss, [w])
     torch._dynamo.utils.counters.clear()
+    torch.testing.assert_close(grads(loss, [w], compiler), expected)
+    through = Through()
     for _ in range(3):
         torch.testing.assert_close(grads(loss, [w], compiler), expected)
     assert not torch._dynamo.utils.counters["graph_break"]
@@ -73,6 +75,8 @@ def test_a_functions_backward_is_traced_into_one_graph(compiler):
     assert [g.compiled for g in replay.regions] == [True]
     assert "function_backward" in replay.source
     assert replaygrad.cache_info().misses == 1
+    # Nothing but the graph in the region's compiled code: called directly.
+    assert through.calls == 0
 
 
 def test_uncompiled_replays_run_functions_as_themselves():
