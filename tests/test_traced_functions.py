@@ -5,8 +5,6 @@ compares with eager autograd on the same inputs."""
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import pytest
 import torch
 from torch.autograd.function import once_differentiable
@@ -73,7 +71,7 @@ def test_a_functions_backward_is_traced_into_one_graph(compiler):
     replay = entry().replay
     assert len(replay.functions) == 3 and replay.breaks == ()
     assert [g.compiled for g in replay.regions] == [True]
-    assert "function_backward" in replay.source
+    assert "backward_0(" in replay.source
     assert replaygrad.cache_info().misses == 1
     # Nothing but the graph in the region's compiled code: called directly.
     assert through.calls == 0
@@ -106,10 +104,11 @@ def test_a_backward_kept_out_of_compiled_graphs_runs_as_itself(compiler):
     assert [g.compiled for g in replay.regions] == [True, False, True]
 
 
+CALLS: list = []
+
+
 class Counting(torch.autograd.Function):
     """Appends to a list in its backward: a Python side effect, which Dynamo replays."""
-
-    calls: ClassVar[list] = []
 
     @staticmethod
     def forward(ctx, x):
@@ -117,7 +116,7 @@ class Counting(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        Counting.calls.append(grad.shape)
+        CALLS.append(grad.shape)
         return grad * 3
 
 
@@ -128,18 +127,21 @@ def test_a_backward_with_a_side_effect_runs_once_a_call_and_stops_recompiling(co
     def loss():
         return Counting.apply(w.cos()).sum()
 
-    Counting.calls = []
+    CALLS.clear()
     expected = grads(loss, [w])
-    assert Counting.calls == [torch.Size([3, 4])]
-    torch.testing.assert_close(grads(loss, [w], compiler), expected)
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    for n in range(3, 9):
+    assert torch.Size([3, 4]) == CALLS[0] and len(CALLS) == 1
+    for n in range(2, 5):
         torch.testing.assert_close(grads(loss, [w], compiler), expected)
-        assert Counting.calls == [torch.Size([3, 4])] * n
-    # Compiled once: Dynamo replays the append after the graph, and guards on nothing that
-    # the append changes.
+        assert CALLS == [torch.Size([3, 4])] * n
+    # Dynamo replays the append after the graph, guarding on the list's length: the second
+    # call recompiled on a hit, so the backward runs outside the graph from then on (the
+    # third compiles the regions around it), with nothing to guard on.
+    assert entry().replay.functions == ()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for n in range(5, 9):
+        torch.testing.assert_close(grads(loss, [w], compiler), expected)
+        assert len(CALLS) == n
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
-    assert entry().replay.functions == (1,)
 
 
 class Stepping(torch.autograd.Function):
@@ -561,3 +563,40 @@ def test_a_function_clearing_its_saved_tensors_on_access_runs_as_itself(compiler
     for _ in range(2):
         torch.testing.assert_close(grads(loss, [w], compiler), expected)
     assert entry().replay.functions == ()
+
+
+class ItemScale(torch.autograd.Function):
+    """A backward that breaks Dynamo's graph (it makes a Python float of a tensor)."""
+
+    @staticmethod
+    def forward(ctx, x, k):
+        ctx.save_for_backward(x)
+        return x * k
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * float(x.abs().max().item()), None
+
+
+@pytest.mark.parametrize("compiler", COMPILED)
+def test_functions_whose_backward_breaks_the_graph_run_as_themselves(compiler):
+    # Found while Dynamo traces the first of them: the call starts over with every node of
+    # that Function run as itself, before anything was compiled for the break (each broken
+    # backward would be frames of their own, compiled and called every time).
+    w = torch.randn(6, 6, requires_grad=True)
+    x = torch.randn(4, 6)
+
+    def loss():
+        return layers(x, w, ItemScale, depth=4).sum()
+
+    expected = grads(loss, [w])
+    torch._dynamo.utils.counters.clear()
+    torch.testing.assert_close(grads(loss, [w], compiler), expected)
+    replay = entry().replay
+    assert replay.functions == () and len(replay.breaks) == 4
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 1
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for _ in range(2):
+        torch.testing.assert_close(grads(loss, [w], compiler), expected)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs

@@ -319,10 +319,12 @@ class _Compiled:
     ``torch.compile`` of ``source``, a call that Dynamo has compiled code for runs that code
     directly (see :class:`_DirectCalls`)."""
 
-    __slots__ = ("__weakref__", "direct", "fn")
+    __slots__ = ("__weakref__", "direct", "fn", "scope")
 
     def __init__(self, fn: Callable[..., Any], source: types.FunctionType) -> None:
         self.fn = fn
+        #: The globals of the region's function (see ``_replay.broken_functions``).
+        self.scope = source.__globals__
         self.direct = (
             _DirectCalls(source)
             if _cache_entries is not None
@@ -460,15 +462,16 @@ def _direct_function(code: types.CodeType, scope: dict[str, Any]) -> types.Funct
 def _forget_compiled(code: types.CodeType, scope: dict[str, Any]) -> None:
     """Drops what Dynamo compiled for a dropped region's ``code``, and for the functions it
     made to resume that code after graph breaks (``__resume_at_*``, put in the region's
-    ``scope``). Dynamo keeps its compiled code, guards and traced graphs on the code object,
-    and torch 2.13 keeps every code object it guarded on for the process's lifetime (a
-    ``functools.cache`` in ``torch._dynamo.guards``), so without this each region compiled
-    and evicted would keep ~1 MB."""
+    ``scope``) and the region's copies of ``function_backward`` (``backward_*``, see
+    ``_replay._function_backward_copy``). Dynamo keeps its compiled code, guards and traced
+    graphs on the code object, and torch 2.13 keeps every code object it guarded on for the
+    process's lifetime (a ``functools.cache`` in ``torch._dynamo.guards``), so without this
+    each region compiled and evicted would keep ~1 MB."""
     codes = [code]
     codes += [
         value.__code__
         for name, value in list(scope.items())
-        if name.startswith("__resume_at_") and hasattr(value, "__code__")
+        if name.startswith(("__resume_at_", "backward_")) and hasattr(value, "__code__")
     ]
     for c in codes:
         torch._dynamo.reset_code(c)

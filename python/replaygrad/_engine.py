@@ -30,10 +30,13 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from . import _core
-from ._compile import Config, Entry, cache, compile_failed, recompile_limit
+from ._compile import Config, Entry, _cache_entries, cache, compile_failed, recompile_limit
 from ._explain import table
 from ._logging import Lazy, log, plan_log
 from ._replay import (
+    BackwardBrokeGraph,
+    alike_functions,
+    broken_functions,
     current_autograd_node,
     hook_arguments,
     may_edit_hooks,
@@ -499,7 +502,7 @@ def _call_until_done(
                 cache.stop_capturing(entry, plan, config)
                 continue
             traced_code = bool(args[3] or entry.replay.functions)
-            remedy = _remedy(entry, error, failed_to_compile, non_strided, traced_code)
+            remedy = _remedy(entry, plan, error, failed_to_compile, non_strided, traced_code)
             if remedy is None:
                 raise
             if not run.restartable:
@@ -519,7 +522,12 @@ def _call_until_done(
 
 
 def _remedy(
-    entry: Entry, error: Exception, failed_to_compile: bool, non_strided: set[int], hooks: bool
+    entry: Entry,
+    plan: _core.Plan,
+    error: Exception,
+    failed_to_compile: bool,
+    non_strided: set[int],
+    hooks: bool,
 ) -> str | set[int] | None:
     """What to change in ``entry``'s replay after ``error`` for the call to succeed: steps
     to run as themselves, or where its hooks run (``hooks``: it has Python hooks or Python
@@ -527,6 +535,9 @@ def _remedy(
     would help."""
     step = traced_step(error)
     if step is not None and step not in entry.opaque:
+        if isinstance(node_error(error), BackwardBrokeGraph):
+            # The Function's other nodes would break the graph too, one restart each.
+            return alike_functions(plan, entry.replay, {step})
         return {step}
     if not failed_to_compile:
         return None
@@ -783,6 +794,16 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
                 "; ".join(changes),
             )
     entry.vetted = True
+    if entry.replay.functions and _cache_entries is not None and _graphs_compiled() > graphs:
+        broken = broken_functions(entry.replay, _cache_entries)
+        if broken:
+            cache.run_as_themselves(
+                entry,
+                plan,
+                config,
+                alike_functions(plan, entry.replay, broken),
+                "Dynamo broke the graph in their backward",
+            )
     if entry.replay.hooks_in_graph:
         traced_code = hooks or entry.replay.functions
         if traced_code and _graphs_compiled() > graphs and _recompiled_for_hooks(entry, plan):

@@ -33,6 +33,7 @@ from types import CodeType, FunctionType, SimpleNamespace
 from typing import Any, NoReturn
 
 import torch
+from torch._dynamo.comptime import comptime
 from torch._dynamo.external_utils import FakeBackwardCFunction
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -78,6 +79,8 @@ class running:
         #: Traced steps whose formula made sizes that depend on data (see
         #: :data:`_DATA_DEPENDENT`), which Dynamo ran outside the graph.
         self.data_dependent: set[int] = set()
+        #: The step of the Function's backward Dynamo traces (see :func:`_tracing_backward`).
+        self.tracing_backward: int | None = None
 
     def __enter__(self) -> running:
         self.prior = getattr(_tls, "run", None)
@@ -85,6 +88,7 @@ class running:
         self.restartable = True
         self.reached = 0
         self.current = None
+        self.tracing_backward = None
         #: The node the engine was evaluating when the replay started (see
         #: :func:`current_autograd_node`).
         self.outer = _engine_current_node()
@@ -483,8 +487,42 @@ def function_backward(
     decided while tracing, the node runs as itself instead, outside the graph."""
     if any(g is None for g in inputs) or (writes and _overlapping(inputs)):
         return apply_opaque(deferred, step, inputs, False)
+    comptime(_tracing_backward)
     ctx = FakeBackwardCFunction(state, tuple(saved))
-    return function_outputs(step, state._forward_cls.backward(ctx, *inputs), sizes)
+    result = state._forward_cls.backward(ctx, *inputs)
+    comptime(_traced_backward)
+    return function_outputs(step, result, sizes)
+
+
+class BackwardBrokeGraph(Exception):
+    """Dynamo broke the graph in a traced Function's backward (see
+    :func:`_tracing_backward`): the call starts over with that step run as itself."""
+
+
+def _tracing_backward(ctx: Any) -> None:
+    """While Dynamo traces a Function's backward in :func:`function_backward` (a no-op
+    otherwise): notes its step, until :func:`_traced_backward`. A step still noted when
+    Dynamo gets here again broke the graph in its backward (Dynamo then traces the frame
+    again up to the break, and the rest of the call as frames of their own, each compiled
+    at a cost, and run so every call): while the call can start over, that is raised (see
+    :func:`traced_step`), and the call starts over with the step run as itself. (Later,
+    :func:`broken_functions` finds it once the call is done.)"""
+    run = _running()
+    broken = run.tracing_backward
+    step = ctx.get_local("step")
+    # (A frame of its own, after a graph break, may take the step as a symbolic int.)
+    value = step.as_python_constant() if step.is_python_constant() else step.as_fake().node.hint
+    run.tracing_backward = run.base + int(value)
+    if broken is not None and run.restartable:
+        error = BackwardBrokeGraph(f"step {broken}")
+        error.__replaygrad_node_error__ = True  # type: ignore[attr-defined]
+        error.__replaygrad_traced_step__ = broken  # type: ignore[attr-defined]
+        raise error
+
+
+def _traced_backward(ctx: Any) -> None:
+    """See :func:`_tracing_backward`."""
+    _running().tracing_backward = None
 
 
 def _symbolic(values: Iterable[Any]) -> bool:
@@ -521,6 +559,44 @@ def function_outputs(step: int, result: Any, sizes: list | None = None) -> tuple
         if tracing:
             error.__replaygrad_traced_step__ = plan_step  # type: ignore[attr-defined]
         raise
+
+
+def _function_backward_copy(n: int, scope: dict[str, Any]) -> FunctionType:
+    """:func:`function_backward` for the ``n``-th traced Function of a region whose globals
+    are ``scope``, with a code object of its own. Dynamo keeps what it compiles on the code
+    object: where it breaks the graph in a backward, it compiles the rest of the call as a
+    frame of this code (and its resume functions, put in ``scope``), which then tells which
+    step broke (see :func:`broken_functions`), is compiled for that step alone, and is
+    dropped with the region (see ``_compile._forget_compiled``). (One function for all would
+    be compiled anew for each step and Function, up to Dynamo's recompile limit.)"""
+    code = function_backward.__code__.replace(co_name=f"backward_{n}")
+    copy = FunctionType(code, scope, f"backward_{n}", function_backward.__defaults__)
+    copy.__kwdefaults__ = function_backward.__kwdefaults__
+    return copy
+
+
+def broken_functions(replay: Replay, cache_entries: Callable[[CodeType], list]) -> set[int]:
+    """The steps of ``replay``'s Python Functions whose backward broke Dynamo's graph while
+    compiled (their copy of :func:`function_backward` has compiled code of its own, see
+    :func:`_function_backward_copy`; ``cache_entries`` lists a code object's): each then
+    costs a frame of its own a call (and its first call a compile per frame), more than
+    running it as itself between regions. Regions alike share their copies."""
+    namespace = replay.fn.__globals__
+    broken = set()
+    for r, region in enumerate(replay.regions):
+        scope = getattr(namespace.get(f"R{r}"), "scope", None)
+        for n, step in enumerate(region.function_steps):
+            copy = scope.get(f"backward_{n}") if scope is not None else None
+            if copy is not None and cache_entries(copy.__code__):
+                broken.add(step)
+    return broken
+
+
+def alike_functions(plan: _core.Plan, replay: Replay, steps: set[int]) -> set[int]:
+    """``steps`` and the steps of ``replay``'s traced Functions of the same classes (whose
+    backward breaks Dynamo's graph alike)."""
+    classes = {plan.node_object(s)._forward_cls for s in steps}
+    return steps | {s for s in replay.functions if plan.node_object(s)._forward_cls in classes}
 
 
 def _apply_symbolic(
@@ -1207,8 +1283,11 @@ class Region:
     #: only steps run outside the graph (see :func:`regions`): they run as Python.
     compiled: bool = True
     #: The ctx states of its Python Functions whose backward Dynamo traces, named ``F0``,
-    #: ``F1``, ... in its source (see :func:`function_backward`).
+    #: ``F1``, ... in its source, each called through ``backward_0``, ``backward_1``, ...
+    #: (see :func:`_function_backward_copy`).
     functions: tuple[FunctionState, ...] = ()
+    #: The plan's steps of those Functions, in that order.
+    function_steps: tuple[int, ...] = ()
     #: The plan's step of its first such backward that may write in place, if any (see
     #: :func:`saved_checked`).
     writes: int | None = None
@@ -1238,7 +1317,13 @@ class Replay:
 _RUNTIME = {
     "apply_traced": apply_traced,
     "apply_function": apply_function,
-    "function_backward": function_backward,
+    # (What the copies of function_backward use, see _function_backward_copy.)
+    "comptime": comptime,
+    "_tracing_backward": _tracing_backward,
+    "_traced_backward": _traced_backward,
+    "function_outputs": function_outputs,
+    "_overlapping": _overlapping,
+    "FakeBackwardCFunction": FakeBackwardCFunction,
     "apply_opaque": apply_opaque,
     "apply_accumulate": apply_accumulate,
     "unpack_saved": unpack_saved,
@@ -1640,8 +1725,13 @@ def regions(
                 any(_traced_copy_slices(steps[s], s, opaque) for s in range(start, end)),
                 tuple(first for first, _ in unpacks),
                 not outside.issuperset(range(start, end)),
-                states,
-                next((s for s in range(start, end) if functions.get(s, (0, False))[1]), None),
+                functions=states,
+                function_steps=tuple(
+                    s for s in range(start, end) if s in functions and s not in opaque
+                ),
+                writes=next(
+                    (s for s in range(start, end) if functions.get(s, (0, False))[1]), None
+                ),
             )
         )
         python_hooks += used
@@ -2093,10 +2183,10 @@ def _region_source(
                 body.append(f"{sums[w]} = product_block({acc}, {a}, {b})")
                 body.append(f"del {grads}")
             if s in functions:
-                state, writes = f"F{len(states)}", functions[s][1]
+                n, writes = len(states), functions[s][1]
                 states.append(functions[s][0])
-                args = f"{state}, i, {saved_k}, {writes}{lifted}"
-                body.append(f"o{k} = function_backward(deferred, {k}, {args})")
+                args = f"F{n}, i, {saved_k}, {writes}{lifted}"
+                body.append(f"o{k} = backward_{n}(deferred, {k}, {args})")
             elif escapes and steps[s][1] == "python_function":
                 body.append(f"o{k} = apply_function(deferred, {k}, i, {saved_k}{lifted})")
             else:
@@ -2300,7 +2390,9 @@ def build(
         the cache drops them (see _compile._Compiled)."""
         runtime = _UNCOMPILED if uncompiled else _RUNTIME if g.compiled else _AS_PYTHON
         scope: dict[str, Any] = dict(runtime)
-        scope.update((f"F{n}", state) for n, state in enumerate(g.functions))
+        for n, state in enumerate(g.functions):
+            scope[f"F{n}"] = state
+            scope[f"backward_{n}"] = _function_backward_copy(n, scope)
         exec(compile(g.source, f"<replaygrad region {g.key[:12]}>", "exec"), scope)
         return scope.pop("region")
 
