@@ -1775,6 +1775,20 @@ rg_status rg_collector_value(const rg_collector* c, size_t i, rg_tensor** value)
   RG_CATCH
 }
 
+rg_status rg_collector_forget(rg_collector* c, size_t begin, size_t end) {
+  RG_TRY
+  end = std::min(end, c->values.size());
+  for (size_t i = begin; i < end; ++i) {
+    c->values[i] = at::Tensor();
+  }
+  auto in_range = [&](const auto& entry) { return entry.first >= begin && entry.first < end; };
+  c->aliases.erase(std::remove_if(c->aliases.begin(), c->aliases.end(), in_range),
+                   c->aliases.end());
+  c->scalars.erase(std::remove_if(c->scalars.begin(), c->scalars.end(), in_range),
+                   c->scalars.end());
+  RG_CATCH
+}
+
 rg_status rg_collector_first_modified(const rg_collector* c, size_t begin, size_t end,
                                       size_t* slot) {
   RG_TRY

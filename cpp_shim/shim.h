@@ -171,6 +171,10 @@ rg_status rg_collector_saved_variables(const rg_collector* c, const rg_sv** out,
 // Slot i's value: a new handle to the unpacked value, detached from the graph but reporting
 // the original's requires_grad (null for an undefined saved value).
 rg_status rg_collector_value(const rg_collector* c, size_t i, rg_tensor** value);
+// Drops the values of slots [begin, end) (undefined from then on): those of a node that runs
+// as itself, with its own saved variables, so that they are freed when the node releases
+// them, as in the engine.
+rg_status rg_collector_forget(rg_collector* c, size_t begin, size_t end);
 // The first slot in [begin, end) whose value was modified in place since it was planned
 // (its version counter moved on) or whose SavedVariable was released since (a backward
 // through its node), or end if none was.

@@ -147,6 +147,7 @@ extern "C" {
     ) -> c_int;
     fn rg_collector_value(c: *const RawCollector, i: usize, value: *mut *mut C_tensor) -> c_int;
     fn rg_collector_values_to_list(c: *const RawCollector, lift: c_int, out: *mut PyObjectPtr) -> c_int;
+    fn rg_collector_forget(c: *mut RawCollector, begin: usize, end: usize) -> c_int;
     fn rg_collector_first_modified(
         c: *const RawCollector,
         begin: usize,
@@ -1084,6 +1085,12 @@ impl Collector {
         // SAFETY: out-pointer to a local; the shim clamps the range.
         check(unsafe { rg_collector_first_modified(self.0.as_ptr(), slots.start, slots.end, &mut slot) })?;
         Ok((slot < slots.end.min(self.len())).then_some(slot))
+    }
+
+    /// Drops the values of `slots` (see the shim's `rg_collector_forget`).
+    pub fn forget(&mut self, slots: std::ops::Range<usize>) -> Result<(), ShimError> {
+        // SAFETY: the collector is alive and borrowed mutably; the shim clamps the range.
+        check(unsafe { rg_collector_forget(self.0.as_ptr(), slots.start, slots.end) })
     }
 
     /// Every slot's value as a new Python list (None where undefined); with `lift`, the

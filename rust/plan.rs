@@ -437,6 +437,12 @@ impl Plan {
         Ok(())
     }
 
+    /// Drops the plan's values of the saved slots `slots` (those of steps that run as
+    /// themselves, with their own saved variables): the plan no longer keeps them alive.
+    pub fn forget_saved(&mut self, slots: std::ops::Range<usize>) -> Result<(), ShimError> {
+        self.layout.values.forget(slots)
+    }
+
     /// Frees the saved variables of the nodes of the steps in `steps` that ran, as the
     /// engine does without retain_graph (a step popped only to capture keeps them).
     pub fn release_variables(&self, steps: std::ops::Range<usize>) -> Result<(), ShimError> {

@@ -629,6 +629,13 @@ impl PyPlan {
         Ok(kind_name(self.plan.snapshot.graph.nodes[node as usize].kind))
     }
 
+    /// Drops the plan's values of saved slots `first..end` (those of steps a replay runs as
+    /// themselves, with their own saved variables), so that the plan does not keep them
+    /// alive until it is dropped; they read as None from then on.
+    fn forget_saved(&mut self, first: usize, end: usize) -> PyResult<()> {
+        Ok(self.plan.forget_saved(first..end)?)
+    }
+
     /// Raises what the node would (RuntimeError: "... modified by an inplace operation") if
     /// a saved value of steps `first..=last` was modified in place since it was planned.
     fn check_saved_versions(&self, first: u32, last: u32) -> PyResult<()> {

@@ -683,6 +683,11 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
             config = Config(None, fallback=config.fallback)
     if lifted and config.compiler is None:
         saved = plan.saved_values()  # the uncompiled replay takes them as they are
+    for a, b in entry.replay.unread:
+        # Saved by a node that runs as itself, with its own: neither the plan nor the replay
+        # keeps them, so that they are freed when the node releases them, as in the engine.
+        plan.forget_saved(a, b)
+        saved[a:b] = [None] * (b - a)
     hooks = hook_arguments(dicts, entry.replay.hooks_in_graph)
     if entry.replay.hooks_in_graph and hooks:
         concern = traced_hooks_concern(hooks)

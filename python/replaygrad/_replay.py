@@ -1312,6 +1312,9 @@ class Replay:
     #: The steps of Python Functions whose backward Dynamo traces into the graph (see
     #: :func:`traced_functions`).
     functions: tuple[int, ...] = ()
+    #: The saved slots (ranges) of traced steps that run as themselves, with their own
+    #: saved variables: the replay does not read them (see ``Plan.forget_saved``).
+    unread: tuple[tuple[int, int], ...] = ()
 
 
 _RUNTIME = {
@@ -2419,4 +2422,9 @@ def build(
         escapes,
         breakless,
         tuple(traced),
+        tuple(
+            (steps[s][6], steps[s][7])
+            for s in sorted(opaque)
+            if steps[s][2] == "traced" and steps[s][7] > steps[s][6]
+        ),
     )
