@@ -428,6 +428,24 @@ void validate(const Node& node, const edge_list& edges, variable_list& outputs) 
   });
 }
 
+// While it lives, the input metadata `edges` point at (what a node's outputs are validated
+// against) has the shapes of `swap`'s sizes; swapped back when it goes, also on error.
+class EdgeShapesSwapped {
+ public:
+  EdgeShapesSwapped(SwapSavedVariables& swap, edge_list& edges) : swap_(swap), edges_(edges) {
+    swap_.before(edges_);
+  }
+  ~EdgeShapesSwapped() {
+    swap_.after(edges_);
+  }
+  EdgeShapesSwapped(const EdgeShapesSwapped&) = delete;
+  EdgeShapesSwapped& operator=(const EdgeShapesSwapped&) = delete;
+
+ private:
+  SwapSavedVariables& swap_;
+  edge_list& edges_;
+};
+
 // Writes a node's outputs to the caller's `cap` slots.
 rg_status hand_out(variable_list&& outputs, rg_tensor** out, size_t cap, size_t* n_out) {
   if (outputs.size() > cap) {
@@ -2089,14 +2107,7 @@ rg_status rg_python_function_outputs(rg_node* n, PyObject* result, PyObject* siz
   TraceState state(std::move(symbolic), node.num_outputs());
   SwapSavedVariables swap(compiler, state, nullptr, node_call);
   auto& edges = const_cast<edge_list&>(node.next_edges());
-  swap.before(edges);
-  struct Restore {
-    SwapSavedVariables& swap;
-    edge_list& edges;
-    ~Restore() {
-      swap.after(edges);
-    }
-  } restore{swap, edges};
+  EdgeShapesSwapped swapped(swap, edges);
   {
     WithoutGil no_gil;
     validate(node, edges, outputs);
@@ -2172,14 +2183,7 @@ rg_status rg_node_apply_lifted(rg_node* n, const rg_tensor* const* inputs, size_
   {
     PyCompilerGuard guard(std::move(interface));
     // The shapes outputs are validated against, swapped back at the end of the scope.
-    swap.before(edges);
-    struct Restore {
-      SwapSavedVariables& swap;
-      edge_list& edges;
-      ~Restore() {
-        swap.after(edges);
-      }
-    } restore{swap, edges};
+    EdgeShapesSwapped swapped(swap, edges);
     at::AutoGradMode grad_mode(false);
     outputs = node.apply_with_saved(to_list(inputs, n_inputs), swap);
     apply.rethrow();

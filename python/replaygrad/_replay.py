@@ -1390,8 +1390,7 @@ def generate_source(
     ``compiled``: as a compiler runs it (see :func:`replay_inputs`)."""
     steps = plan.steps()
     saved, scalars = replay_inputs(plan) if compiled else ((), frozenset())
-    themselves, functions = traced_functions(plan, steps, saved, compiled and hooks_in_graph)
-    opaque = opaque | steps_run_as_themselves(plan, steps) | themselves
+    opaque, functions = _themselves(plan, steps, saved, compiled and hooks_in_graph, opaque)
     found = regions(
         plan,
         steps,
@@ -1406,13 +1405,21 @@ def generate_source(
     return _replay_source(found, _driver_source(steps, found, plan.num_captures, hooks_in_graph))
 
 
+def _themselves(
+    plan: _core.Plan, steps: list, saved: Sequence[Any], dynamo: bool, opaque: frozenset[int]
+) -> tuple[frozenset[int], dict[int, tuple[FunctionState, bool]]]:
+    """``opaque`` with the traced steps that run as themselves whatever the compiler (see
+    :func:`steps_run_as_themselves`) and the Python Functions' that do (see
+    :func:`traced_functions`, ``dynamo``), and the Functions whose backward Dynamo traces."""
+    themselves, functions = traced_functions(plan, steps, saved, dynamo)
+    return opaque | steps_run_as_themselves(plan, steps) | themselves, functions
+
+
 def compiled_themselves(plan: _core.Plan, steps: list) -> frozenset[int]:
     """The traced steps of ``plan`` that a compiled replay (with Python code traced into
-    its graph, the default) runs as themselves (see :func:`steps_run_as_themselves` and
-    :func:`traced_functions`)."""
+    its graph, the default) runs as themselves (see :func:`_themselves`)."""
     saved = () if plan.nested_inputs else replay_inputs(plan)[0]
-    themselves = traced_functions(plan, steps, saved, not plan.nested_inputs)[0]
-    return steps_run_as_themselves(plan, steps) | themselves
+    return _themselves(plan, steps, saved, not plan.nested_inputs, frozenset())[0]
 
 
 def _replay_source(found: Sequence[Region], driver: str) -> str:
@@ -2362,8 +2369,7 @@ def build(
     runs outside the graph. ``products``: see :func:`regions`."""
     steps = plan.steps()
     dynamo = not uncompiled and hooks_in_graph and escapes
-    themselves, traced = traced_functions(plan, steps, saved, dynamo)
-    opaque = opaque | steps_run_as_themselves(plan, steps) | themselves
+    opaque, traced = _themselves(plan, steps, saved, dynamo, opaque)
     if breakless:
         opaque |= {step for step, _, _ in plan.hooked_steps()}
         if hooks_in_graph and outside_steps(steps, True, opaque):
