@@ -1309,12 +1309,15 @@ class Replay:
     escapes: bool = True
     #: Built for a compiler that allows no graph break (see :func:`build`).
     breakless: bool = False
-    #: The steps of Python Functions whose backward Dynamo traces into the graph (see
-    #: :func:`traced_functions`).
-    functions: tuple[int, ...] = ()
     #: The saved slots (ranges) of traced steps that run as themselves, with their own
     #: saved variables: the replay does not read them (see ``Plan.forget_saved``).
     unread: tuple[tuple[int, int], ...] = ()
+
+    @functools.cached_property
+    def functions(self) -> tuple[int, ...]:
+        """The steps of Python Functions whose backward Dynamo traces into the graph (see
+        :func:`traced_functions`), those of its regions."""
+        return tuple(s for region in self.regions for s in region.function_steps)
 
 
 _RUNTIME = {
@@ -2427,7 +2430,6 @@ def build(
         tuple(sorted({*outside_steps(steps, hooks_in_graph, opaque), *unpacks})),
         escapes,
         breakless,
-        tuple(traced),
         tuple(
             (steps[s][6], steps[s][7])
             for s in sorted(opaque)
