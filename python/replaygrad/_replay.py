@@ -194,7 +194,11 @@ def traced_hooks_concern(hooks: list) -> str | None:
     graph break), and a backward of its own through nodes that ran, or a look at their saved
     values, would find them still there; outside the graph it sees what the engine would
     have done by then."""
-    names = _hook_names(hooks)
+    return _concern(_hook_names(hooks))
+
+
+def _concern(names: frozenset[str]) -> str | None:
+    """:func:`traced_hooks_concern` of code that uses ``names`` (see :func:`_hook_names`)."""
     if not _CURRENT_NODE.isdisjoint(names):
         return "node"
     if not _EFFECT_NAMES.isdisjoint(names) or any(n.startswith(_SAVED) for n in names):
@@ -1544,7 +1548,7 @@ def _traced_function_state(
     ):
         return None
     names = _hook_names([[backward.__func__]])
-    if traced_hooks_concern([[backward.__func__]]) is not None or not _CTX_API.isdisjoint(names):
+    if _concern(names) is not None or not _CTX_API.isdisjoint(names):
         return None
     a, b = step[6], step[7]
     try:
