@@ -326,6 +326,8 @@ pub fn layout(snapshot: &Snapshot, schedule: &Schedule, trace_functions: bool) -
                 if lifted {
                     sizes.extend_from_slice(visited.sizes);
                 } else if data.kind == NodeKind::PythonFunction
+                    // (Without trace_functions, a traced one is traceable: may_trace asked.)
+                    && trace_functions
                     && !node.is_traceable()?
                     && snapshot.edge_dims(edges, &mut sizes)
                 {
