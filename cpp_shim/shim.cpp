@@ -428,6 +428,16 @@ void validate(const Node& node, const edge_list& edges, variable_list& outputs) 
   });
 }
 
+// A Python sequence of int or torch.SymInt (a step's lifted sizes) as a TraceState takes
+// them. Needs the GIL.
+std::vector<std::optional<c10::SymInt>> lifted_sizes(PyObject* sizes) {
+  std::vector<std::optional<c10::SymInt>> out;
+  for (const auto& item : py::handle(sizes)) {
+    out.emplace_back(py::cast<c10::SymInt>(item));
+  }
+  return out;
+}
+
 // While it lives, the input metadata `edges` point at (what a node's outputs are validated
 // against) has the shapes of `swap`'s sizes; swapped back when it goes, also on error.
 class EdgeShapesSwapped {
@@ -2091,10 +2101,7 @@ rg_status rg_python_function_outputs(rg_node* n, PyObject* result, PyObject* siz
     validate(node, node.next_edges(), outputs);
     return hand_out(std::move(outputs), out, cap, n_out);
   }
-  std::vector<std::optional<c10::SymInt>> symbolic;
-  for (const auto& item : py::handle(sizes)) {
-    symbolic.emplace_back(py::cast<c10::SymInt>(item));
-  }
+  auto symbolic = lifted_sizes(sizes);
   GraphLock lock;
   std::vector<int64_t> dims;
   if (!edge_dims(node, dims) || symbolic.size() != dims.size()) {
@@ -2150,13 +2157,7 @@ rg_status rg_node_apply_lifted(rg_node* n, const rg_tensor* const* inputs, size_
       arg->proxy_tensor = as_tensor(saved[i]);
     }
   }
-  std::vector<std::optional<c10::SymInt>> symbolic;
-  {
-    py::handle list(sizes);
-    for (const auto& item : list) {
-      symbolic.emplace_back(py::cast<c10::SymInt>(item));
-    }
-  }
+  auto symbolic = lifted_sizes(sizes);
   // Hooked saved values come last (as planned): what their unpack hook returned.
   HookedOrder hooked;
   ordered_hooked(compiler, hooked);
