@@ -2,7 +2,11 @@
 // every entry point catches all C++ exceptions and turns them into an rg_status.
 #include "shim.h"
 
+#include <torch/csrc/Device.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/Layout.h>
+#include <torch/csrc/MemoryFormat.h>
 #include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/engine.h>
@@ -1398,10 +1402,13 @@ void rg_collector_free(rg_collector* c) {
   delete c;
 }
 
-// Whether `v` is an immutable plain value whose repr identifies it.
+// Whether `v` is an immutable plain value whose repr identifies it: also torch's dtypes,
+// devices, layouts and memory formats (a forward keeping its input's dtype for the
+// backward's cast, `ctx.dtype = x.dtype`, is common).
 static bool is_plain_value(PyObject* v) {
   if (v == Py_None || PyBool_Check(v) || PyLong_Check(v) || PyFloat_Check(v) ||
-      PyComplex_Check(v) || PyUnicode_Check(v) || PyBytes_Check(v)) {
+      PyComplex_Check(v) || PyUnicode_Check(v) || PyBytes_Check(v) || THPDtype_Check(v) ||
+      THPDevice_Check(v) || THPLayout_Check(v) || THPMemoryFormat_Check(v)) {
     return true;
   }
   if (PyTuple_Check(v)) {

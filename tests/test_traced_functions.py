@@ -421,6 +421,40 @@ def test_a_function_with_another_ctx_state_compiles_its_own_replay(compiler):
     assert replaygrad.cache_info().misses == 2
 
 
+class Casting(torch.autograd.Function):
+    """Computes in float64 and casts the gradient back: its ctx keeps torch's immutable
+    values (a dtype, a device, a layout, a memory format and a torch.Size)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.dtype, ctx.device, ctx.layout, ctx.shape = x.dtype, x.device, x.layout, x.shape
+        ctx.format = torch.contiguous_format
+        ctx.save_for_backward(x)
+        return (x.double() * 2).sin()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        assert ctx.layout == torch.strided and ctx.format == torch.contiguous_format
+        g = grad * 2 * (x.double() * 2).cos()
+        return g.to(dtype=ctx.dtype, device=ctx.device).reshape(ctx.shape)
+
+
+@pytest.mark.parametrize("compiler", COMPILED)
+def test_a_ctx_keeping_dtypes_and_devices_is_traced_and_keyed_by_them(compiler):
+    w = torch.randn(6, 6, requires_grad=True)
+    x = torch.randn(4, 6)
+    for dtype in (torch.float32, torch.float32, torch.float16):
+
+        def loss(dtype=dtype):
+            return Casting.apply(torch.tanh(x @ w).to(dtype)).sum()
+
+        expected = grads(loss, [w])
+        torch.testing.assert_close(grads(loss, [w], compiler), expected)
+    assert replaygrad.cache_info().misses == 2
+    assert [len(e.replay.functions) for e in cache._entries.values()] == [1, 1]
+
+
 @pytest.mark.parametrize("compiler", COMPILED)
 def test_a_traced_backward_keeps_no_tensor_alive(compiler):
     import gc
