@@ -639,3 +639,71 @@ def test_functions_whose_backward_breaks_the_graph_run_as_themselves(compiler):
     for _ in range(2):
         torch.testing.assert_close(grads(loss, [w], compiler), expected)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.parametrize("compiler", COMPILED)
+@pytest.mark.parametrize("breaking", ["item", "raise"])
+@pytest.mark.parametrize("counting", [False, True])
+def test_user_code_before_a_graph_breaking_backward_runs_once(compiler, breaking, counting):
+    # Before a Function whose backward breaks the graph, in its region: a hook on its
+    # gradient (and a side effect of another Function's backward). Where Dynamo runs the
+    # region's part before the break, then traces the broken backward as a frame of its own
+    # (a backward that raises), the call does not start over (the hook would run twice);
+    # where Dynamo traces the region again first (`.item()`), the call starts over before
+    # any of it ran.
+    w = torch.randn(4, requires_grad=True)
+    calls: list = []
+
+    def loss():
+        a = w.cos()
+        y = ItemScale.apply(a, 2.0) if breaking == "item" else Raising.apply(a)
+        y.register_hook(lambda g: calls.append(len(calls)))
+        return ((Counting.apply(y) if counting else y) * w).sum()
+
+    def run(compiler=False):
+        CALLS.clear()
+        calls.clear()
+        w.grad = None
+        try:
+            if compiler is False:
+                loss().backward()
+            else:
+                replaygrad.backward(loss(), compiler=compiler)
+        except ValueError as error:
+            return str(error), len(calls), len(CALLS)
+        return w.grad.clone(), len(calls), len(CALLS)
+
+    expected = run()
+    assert expected[1:] == (1, int(counting))
+    for _ in range(2):
+        result = run(compiler)
+        assert result[1:] == expected[1:]
+        if breaking == "raise":
+            assert result[0] == expected[0]
+        else:
+            torch.testing.assert_close(result[0], expected[0])
+
+
+@pytest.mark.parametrize("compiler", COMPILED)
+def test_a_side_effect_in_an_earlier_region_happens_once_when_a_backward_breaks_later(compiler):
+    # A traced backward's side effect (Counting) in one region, a graph-breaking backward
+    # in a later one: the call does not start over once the earlier region ran.
+    w = torch.randn(4, requires_grad=True)
+
+    def loss():
+        y = ItemScale.apply(w.cos(), 2.0)
+        for _ in range(12):
+            y = y.sin() * 1.01
+        return (Counting.apply(y) * w).sum()
+
+    prior = cache.region_size
+    replaygrad.set_region_size(2)
+    try:
+        CALLS.clear()
+        expected = grads(loss, [w])
+        for n in (2, 3):
+            torch.testing.assert_close(grads(loss, [w], compiler), expected)
+            assert len(CALLS) == n
+        assert len(entry().replay.regions) > 2
+    finally:
+        replaygrad.set_region_size(prior)

@@ -302,7 +302,7 @@ def _filled(cell: Any) -> bool:
 def at(base: int, hooks_ran: bool = False) -> list:
     """The driver, before a region: the region's step ``k`` is the plan's ``base + k``;
     returns the region's (empty) list of deferred values. ``hooks_ran``: the region before
-    called Python hooks in its graph."""
+    called Python hooks or traced Functions' backwards in its graph."""
     run = _running()
     if hooks_ran:
         run.restartable = False
@@ -479,6 +479,7 @@ def function_backward(
     inputs: list,
     saved: list,
     writes: bool,
+    first: bool,
     sizes: list | None = None,
 ) -> tuple:
     """A Python Function's step whose backward Dynamo traces (see :func:`traced_functions`):
@@ -488,9 +489,12 @@ def function_backward(
     (see :func:`function_outputs`; ``sizes``: the step's lifted sizes). Given a missing
     gradient (which the engine would materialize as zeros), or one with elements sharing
     memory (see :func:`_overlapping`) where the backward may write in place (``writes``),
-    decided while tracing, the node runs as itself instead, outside the graph."""
+    decided while tracing, the node runs as itself instead, outside the graph. ``first``:
+    no Python hook or other traced backward comes before it in the region (see
+    :func:`_tracing_backward`)."""
     if any(g is None for g in inputs) or (writes and _overlapping(inputs)):
         return apply_opaque(deferred, step, inputs, False)
+    _ran_for_real()
     comptime(_tracing_backward)
     ctx = FakeBackwardCFunction(state, tuple(saved))
     result = state._forward_cls.backward(ctx, *inputs)
@@ -510,23 +514,44 @@ def _tracing_backward(ctx: Any) -> None:
     again up to the break, and the rest of the call as frames of their own, each compiled
     at a cost, and run so every call): while the call can start over, that is raised (see
     :func:`traced_step`), and the call starts over with the step run as itself. (Later,
-    :func:`broken_functions` finds it once the call is done.)"""
+    :func:`broken_functions` finds it once the call is done.) Where Dynamo traces the
+    backward as a frame of its own, the region's part before it has run: where that part
+    called a Python hook or another traced backward (not ``first``), whose side effects would
+    happen again, the call goes on (see :func:`_region_traced` for where Dynamo traces the
+    region again)."""
     run = _running()
     broken = run.tracing_backward
     step = ctx.get_local("step")
     # (A frame of its own, after a graph break, may take the step as a symbolic int.)
     value = step.as_python_constant() if step.is_python_constant() else step.as_fake().node.hint
     run.tracing_backward = run.base + int(value)
-    if broken is not None and run.restartable:
-        error = BackwardBrokeGraph(f"step {broken}")
-        error.__replaygrad_node_error__ = True  # type: ignore[attr-defined]
-        error.__replaygrad_traced_step__ = broken  # type: ignore[attr-defined]
-        raise error
+    if broken is not None and run.restartable and ctx.get_local("first").as_python_constant():
+        _broke_graph(broken)
 
 
 def _traced_backward(ctx: Any) -> None:
     """See :func:`_tracing_backward`."""
     _running().tracing_backward = None
+
+
+def _region_traced(ctx: Any) -> None:
+    """While Dynamo traces a region with traced Functions, at its start (a no-op otherwise):
+    a step still noted by :func:`_tracing_backward` broke the graph in its backward in the
+    trace Dynamo then starts over (it traces the frame again, to break the graph before the
+    call). Raised there, before any of the region ran (a hook traced into the graph before
+    the break would run, then again when the call starts over); see
+    :func:`_tracing_backward`."""
+    run = _running()
+    broken = run.tracing_backward
+    if broken is not None and run.restartable:
+        _broke_graph(broken)
+
+
+def _broke_graph(step: int) -> NoReturn:
+    error = BackwardBrokeGraph(f"step {step}")
+    error.__replaygrad_node_error__ = True  # type: ignore[attr-defined]
+    error.__replaygrad_traced_step__ = step  # type: ignore[attr-defined]
+    raise error
 
 
 def _symbolic(values: Iterable[Any]) -> bool:
@@ -1111,17 +1136,28 @@ def _overlapping(values: Iterable[Any]) -> bool:
     return False
 
 
+def _ran_for_real() -> None:
+    """Code a compiled region traces (a hook, a Function's backward) that runs as Python
+    instead, where Dynamo gave up on the region's frame (e.g. a backward that raises): the
+    call can no longer start over."""
+    if not torch.compiler.is_compiling():
+        _running().restartable = False
+
+
 def tensor_pre_hook_in_graph(deferred: list, step: int, fns: list, value: Any) -> Any:
     """A Python tensor pre-hook traced into the graph, whatever its gradient (for compilers
     that allow no graph break, e.g. ``fullgraph=True``)."""
+    _ran_for_real()
     return _tensor_pre_hooks(fns, value)
 
 
 def pre_hook_in_graph(deferred: list, step: int, fns: list, inputs: list) -> list:
+    _ran_for_real()
     return _pre_hooks(fns, inputs)
 
 
 def post_hook_in_graph(deferred: list, step: int, fns: list, outputs: tuple, inputs: list) -> tuple:
+    _ran_for_real()
     return _post_hooks(fns, outputs, inputs)
 
 
@@ -1129,6 +1165,7 @@ def tensor_pre_hook(deferred: list, step: int, fns: list, value: Any) -> Any:
     """A Python tensor pre-hook traced into the graph (see :func:`_overlapping`)."""
     if _overlapping((value,)):
         return _tensor_pre_hook_escaped(deferred, step, fns, value)
+    _ran_for_real()
     return _tensor_pre_hooks(fns, value)
 
 
@@ -1136,6 +1173,7 @@ def pre_hook(deferred: list, step: int, fns: list, inputs: list) -> list:
     """A Python pre-hook traced into the graph (see :func:`_overlapping`)."""
     if _overlapping(inputs):
         return _pre_hook_escaped(deferred, step, fns, inputs)
+    _ran_for_real()
     return _pre_hooks(fns, inputs)
 
 
@@ -1143,6 +1181,7 @@ def post_hook(deferred: list, step: int, fns: list, outputs: tuple, inputs: list
     """A Python post-hook traced into the graph (see :func:`_overlapping`)."""
     if _overlapping(outputs) or _overlapping(inputs):
         return _post_hook_escaped(deferred, step, fns, outputs, inputs)
+    _ran_for_real()
     return _post_hooks(fns, outputs, inputs)
 
 
@@ -1327,8 +1366,11 @@ class Replay:
 _RUNTIME = {
     "apply_traced": apply_traced,
     "apply_function": apply_function,
-    # (What the copies of function_backward use, see _function_backward_copy.)
+    # (What the copies of function_backward use, see _function_backward_copy, and regions
+    # with traced Functions, see _region_traced.)
     "comptime": comptime,
+    "_ran_for_real": _ran_for_real,
+    "_region_traced": _region_traced,
     "_tracing_backward": _tracing_backward,
     "_traced_backward": _traced_backward,
     "function_outputs": function_outputs,
@@ -2046,6 +2088,8 @@ def _region_source(
     # Their sums by weight, named in order (not by step), so that regions alike share a key.
     sums = {w: f"w{n}" for n, w in enumerate(sorted(products))}
     groups: dict[int, str] = {}
+    # A Python hook or traced backward came before (see function_backward's `first`).
+    user_code = False
     where = ("" if escapes else "_in_graph") if hooks_in_graph else "_outside"
     incoming: dict[tuple[int, int], int] = {}
     captures: list[int] = []
@@ -2170,9 +2214,11 @@ def _region_source(
                 v = value_idx
                 body.append(f"i[{v}] = tensor_pre_hook{where}({arg}hooks[{h}], i[{v}])")
                 hook += 1
+                user_code = True
             elif python:
                 body.append(f"i = pre_hook{where}({arg}hooks[{h}], i)")
                 hook += 1
+                user_code = True
             else:
                 body.append(f"i = cpp_pre_hook(deferred, {k}, {pos}, i)")
         if mode == "traced":
@@ -2202,8 +2248,9 @@ def _region_source(
             if s in functions:
                 n, writes = len(states), functions[s][1]
                 states.append(functions[s][0])
-                args = f"F{n}, i, {saved_k}, {writes}{lifted}"
+                args = f"F{n}, i, {saved_k}, {writes}, {not user_code}{lifted}"
                 body.append(f"o{k} = backward_{n}(deferred, {k}, {args})")
+                user_code = True
             elif escapes and steps[s][1] == "python_function":
                 body.append(f"o{k} = apply_function(deferred, {k}, i, {saved_k}{lifted})")
             else:
@@ -2246,6 +2293,7 @@ def _region_source(
         for pos, python, h in post:
             if python:
                 body.append(f"o{k} = post_hook{where}({arg}hooks[{h}], o{k}, i)")
+                user_code = True
             else:
                 body.append(f"o{k} = cpp_post_hook(deferred, {k}, {pos}, o{k}, i)")
         for target, terms in _grouped(feeds.get(s, ()), f"o{k}"):
@@ -2274,6 +2322,8 @@ def _region_source(
     returned = "".join(f"{partial[target]}, " for target in exports)
     lines = [
         "def region(inc, saved, sizes, hooks, deferred):",
+        # (See _region_traced.)
+        *(["    comptime(_region_traced)"] if states else []),
         f"    captured = [None] * {len(captures)}",
         *(f"    {line}" for line in body),
         f"    return ({returned}), captured",
@@ -2341,7 +2391,13 @@ def _driver_source(
         args = (
             "saved, sizes, hooks" if whole else f"saved[{a}:{b}], sizes[{c}:{d}], hooks[{h0}:{h1}]"
         )
-        hooks_ran = r > 0 and hooks_in_graph and regions[r - 1].hooks[1] > regions[r - 1].hooks[0]
+        before = regions[r - 1] if r > 0 else None
+        # (Traced backwards' side effects too: they go where hooks go.)
+        hooks_ran = (
+            before is not None
+            and hooks_in_graph
+            and (before.hooks[1] > before.hooks[0] or bool(before.function_steps))
+        )
         out.append(f"    d = at({g.start}{', True' if hooks_ran else ''})")
         out.append(f"    ({exported}), ({captured}) = R{r}([{', '.join(inc)}], {args}, d)")
         if g.writes is not None:
