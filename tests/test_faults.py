@@ -473,3 +473,41 @@ def test_saved_values_released_by_a_nested_backward_raise(compiler, where):
         where, lambda loss: replaygrad.backward(loss, compiler=compiler)
     )
     assert got == expected
+
+
+def _refusing_size_five(gm, example_inputs):
+    """A backend that fails on graphs taking a 5-element tensor (any backend failing on a
+    later part of a replay)."""
+    if any(isinstance(t, torch.Tensor) and tuple(t.shape) == (5,) for t in example_inputs):
+        raise RuntimeError("refuses 5-element inputs")
+    return gm.forward
+
+
+@pytest.mark.parametrize("breaking", ["print", "item"])
+def test_hooks_run_once_when_a_graph_after_them_fails_to_compile(breaking, capsys):
+    # A hook traced into the graph and one that breaks it run before a part whose graph the
+    # backend refuses: the call does not start over (the hooks would run twice), it raises
+    # the failure, as on every call here (the backend refuses that part whatever the replay
+    # does); each call runs each hook once.
+    def compiler(fn):
+        return torch.compile(fn, backend=_refusing_size_five)
+
+    log: list = []
+
+    def breaks(g):
+        log.append("second")
+        if breaking == "print":
+            print("hook prints")
+        return g * float(g.sum().item() != 0) if breaking == "item" else g
+
+    for _ in range(3):
+        log.clear()
+        p = torch.randn(5, requires_grad=True)
+        x = torch.randn(3, requires_grad=True)
+        y = x.exp() * p.cos().sum()
+        e = y * 2
+        e.register_hook(lambda g: log.append("first"))
+        y.register_hook(breaks)
+        with pytest.raises(Exception, match="refuses 5-element inputs"):
+            replaygrad.backward(e.sum(), compiler=compiler)
+        assert log == ["first", "second"]

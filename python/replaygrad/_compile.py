@@ -412,9 +412,10 @@ def _direct_calls_allowed() -> bool:
 
 
 #: The globals Dynamo's transformed code of a region without graph breaks loads: the
-#: compiled graph, and the module of the helpers that mark its argument handling for the
-#: profiler (``record_pregraph_bytecode_enter``).
-_DIRECT_GLOBALS = ("__compiled_fn_", "__import_torch_dot__dynamo_dot_utils")
+#: compiled graph, the module of the helpers that mark its argument handling for the
+#: profiler (``record_pregraph_bytecode_enter``), and the mark that a traced Function's
+#: backward ran (``_replay._UserCode``, a store Dynamo replays after the graph).
+_DIRECT_GLOBALS = ("__compiled_fn_", "__import_torch_dot__dynamo_dot_utils", "_USER_CODE")
 
 
 class _Unrecorded:
@@ -453,9 +454,13 @@ def _direct_function(code: types.CodeType, scope: dict[str, Any]) -> types.Funct
             name = str(instruction.argval)
             if not name.startswith(_DIRECT_GLOBALS) or name not in scope:
                 return None
-            # The compiled graph without its torch._dynamo.disable wrapper.
-            is_utils = name == _DIRECT_GLOBALS[1]
-            names[name] = _UNRECORDED if is_utils else without_dynamo_wrapper(scope[name])
+            if name == _DIRECT_GLOBALS[1]:
+                names[name] = _UNRECORDED
+            elif name == _DIRECT_GLOBALS[2]:
+                names[name] = scope[name]
+            else:
+                # The compiled graph without its torch._dynamo.disable wrapper.
+                names[name] = without_dynamo_wrapper(scope[name])
     return types.FunctionType(code, names)
 
 

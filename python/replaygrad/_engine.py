@@ -497,7 +497,7 @@ def _call_until_done(
                 return entry.replay.fn(*args)
         except Exception as error:
             failed_to_compile = _compile_failure(error) and node_error(error) is None
-            if entry.capture and failed_to_compile and run.restartable:
+            if entry.capture and failed_to_compile and run.can_restart():
                 run.pending.clear()
                 cache.stop_capturing(entry, plan, config)
                 continue
@@ -505,7 +505,7 @@ def _call_until_done(
             remedy = _remedy(entry, plan, error, failed_to_compile, non_strided, traced_code)
             if remedy is None:
                 raise
-            if not run.restartable:
+            if not run.can_restart():
                 # (_replay stops capturing; with fallback="eager", later calls run in the
                 # engine.)
                 if failed_to_compile and not entry.capture and config.fallback is None:
@@ -727,7 +727,7 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
             raise
         if entry.capture:
             cache.stop_capturing(entry, plan, config)
-        if not run.restartable:
+        if not run.can_restart():
             # Hooks, graph breaks or accumulations of this call ran before the compile of a
             # later region failed: the engine would run them again. As after an error, the
             # effects reached are performed.

@@ -43,6 +43,24 @@ from . import _core
 _tls = threading.local()
 
 
+class _UserCode:
+    """Whether user code (a Python hook, a Function's backward) of a replay call ran: set by
+    the functions that call it in compiled regions, a store that Dynamo replays after the
+    graph (or right away where the code runs as Python), so that it tells also where code
+    traced into a graph ran before a graph break, then a later part of the region failed to
+    compile (see :meth:`running.can_restart`). One for all threads: cleared where a call
+    starts with no other replay running."""
+
+    ran = False
+
+
+_USER_CODE = _UserCode()
+
+#: Replays running, on all threads (see :class:`_UserCode`).
+_active = [0]
+_active_lock = threading.Lock()
+
+
 class running:
     """The replay of ``plan`` running on this thread (nested replays, e.g. a backward
     called by a hook, stack).
@@ -84,6 +102,10 @@ class running:
 
     def __enter__(self) -> running:
         self.prior = getattr(_tls, "run", None)
+        with _active_lock:
+            if _active[0] == 0:
+                _USER_CODE.ran = False
+            _active[0] += 1
         self.base = 0
         self.restartable = True
         self.reached = 0
@@ -99,6 +121,14 @@ class running:
         self.pending.extend(self.local)
         self.local = []
         _tls.run = self.prior
+        with _active_lock:
+            _active[0] -= 1
+
+    def can_restart(self) -> bool:
+        """Whether the call can start over: nothing of it was seen outside the compiled
+        graphs (``restartable``) and no user code traced into them ran (see
+        :class:`_UserCode`)."""
+        return self.restartable and not _USER_CODE.ran
 
 
 def _running() -> running:
@@ -479,7 +509,6 @@ def function_backward(
     inputs: list,
     saved: list,
     writes: bool,
-    first: bool,
     sizes: list | None = None,
 ) -> tuple:
     """A Python Function's step whose backward Dynamo traces (see :func:`traced_functions`):
@@ -489,12 +518,10 @@ def function_backward(
     (see :func:`function_outputs`; ``sizes``: the step's lifted sizes). Given a missing
     gradient (which the engine would materialize as zeros), or one with elements sharing
     memory (see :func:`_overlapping`) where the backward may write in place (``writes``),
-    decided while tracing, the node runs as itself instead, outside the graph. ``first``:
-    no Python hook or other traced backward comes before it in the region (see
-    :func:`_tracing_backward`)."""
+    decided while tracing, the node runs as itself instead, outside the graph."""
     if any(g is None for g in inputs) or (writes and _overlapping(inputs)):
         return apply_opaque(deferred, step, inputs, False)
-    _ran_for_real()
+    _USER_CODE.ran = True
     comptime(_tracing_backward)
     ctx = FakeBackwardCFunction(state, tuple(saved))
     result = state._forward_cls.backward(ctx, *inputs)
@@ -516,16 +543,16 @@ def _tracing_backward(ctx: Any) -> None:
     :func:`traced_step`), and the call starts over with the step run as itself. (Later,
     :func:`broken_functions` finds it once the call is done.) Where Dynamo traces the
     backward as a frame of its own, the region's part before it has run: where that part
-    called a Python hook or another traced backward (not ``first``), whose side effects would
-    happen again, the call goes on (see :func:`_region_traced` for where Dynamo traces the
-    region again)."""
+    called a Python hook or another traced backward, whose side effects would happen again,
+    the call goes on (see :func:`_region_traced` for where Dynamo traces the region
+    again)."""
     run = _running()
     broken = run.tracing_backward
     step = ctx.get_local("step")
     # (A frame of its own, after a graph break, may take the step as a symbolic int.)
     value = step.as_python_constant() if step.is_python_constant() else step.as_fake().node.hint
     run.tracing_backward = run.base + int(value)
-    if broken is not None and run.restartable and ctx.get_local("first").as_python_constant():
+    if broken is not None and run.can_restart():
         _broke_graph(broken)
 
 
@@ -543,7 +570,7 @@ def _region_traced(ctx: Any) -> None:
     :func:`_tracing_backward`."""
     run = _running()
     broken = run.tracing_backward
-    if broken is not None and run.restartable:
+    if broken is not None and run.can_restart():
         _broke_graph(broken)
 
 
@@ -1136,28 +1163,20 @@ def _overlapping(values: Iterable[Any]) -> bool:
     return False
 
 
-def _ran_for_real() -> None:
-    """Code a compiled region traces (a hook, a Function's backward) that runs as Python
-    instead, where Dynamo gave up on the region's frame (e.g. a backward that raises): the
-    call can no longer start over."""
-    if not torch.compiler.is_compiling():
-        _running().restartable = False
-
-
 def tensor_pre_hook_in_graph(deferred: list, step: int, fns: list, value: Any) -> Any:
     """A Python tensor pre-hook traced into the graph, whatever its gradient (for compilers
     that allow no graph break, e.g. ``fullgraph=True``)."""
-    _ran_for_real()
+    _USER_CODE.ran = True
     return _tensor_pre_hooks(fns, value)
 
 
 def pre_hook_in_graph(deferred: list, step: int, fns: list, inputs: list) -> list:
-    _ran_for_real()
+    _USER_CODE.ran = True
     return _pre_hooks(fns, inputs)
 
 
 def post_hook_in_graph(deferred: list, step: int, fns: list, outputs: tuple, inputs: list) -> tuple:
-    _ran_for_real()
+    _USER_CODE.ran = True
     return _post_hooks(fns, outputs, inputs)
 
 
@@ -1165,7 +1184,7 @@ def tensor_pre_hook(deferred: list, step: int, fns: list, value: Any) -> Any:
     """A Python tensor pre-hook traced into the graph (see :func:`_overlapping`)."""
     if _overlapping((value,)):
         return _tensor_pre_hook_escaped(deferred, step, fns, value)
-    _ran_for_real()
+    _USER_CODE.ran = True
     return _tensor_pre_hooks(fns, value)
 
 
@@ -1173,7 +1192,7 @@ def pre_hook(deferred: list, step: int, fns: list, inputs: list) -> list:
     """A Python pre-hook traced into the graph (see :func:`_overlapping`)."""
     if _overlapping(inputs):
         return _pre_hook_escaped(deferred, step, fns, inputs)
-    _ran_for_real()
+    _USER_CODE.ran = True
     return _pre_hooks(fns, inputs)
 
 
@@ -1181,7 +1200,7 @@ def post_hook(deferred: list, step: int, fns: list, outputs: tuple, inputs: list
     """A Python post-hook traced into the graph (see :func:`_overlapping`)."""
     if _overlapping(outputs) or _overlapping(inputs):
         return _post_hook_escaped(deferred, step, fns, outputs, inputs)
-    _ran_for_real()
+    _USER_CODE.ran = True
     return _post_hooks(fns, outputs, inputs)
 
 
@@ -1369,7 +1388,7 @@ _RUNTIME = {
     # (What the copies of function_backward use, see _function_backward_copy, and regions
     # with traced Functions, see _region_traced.)
     "comptime": comptime,
-    "_ran_for_real": _ran_for_real,
+    "_USER_CODE": _USER_CODE,
     "_region_traced": _region_traced,
     "_tracing_backward": _tracing_backward,
     "_traced_backward": _traced_backward,
@@ -2088,8 +2107,6 @@ def _region_source(
     # Their sums by weight, named in order (not by step), so that regions alike share a key.
     sums = {w: f"w{n}" for n, w in enumerate(sorted(products))}
     groups: dict[int, str] = {}
-    # A Python hook or traced backward came before (see function_backward's `first`).
-    user_code = False
     where = ("" if escapes else "_in_graph") if hooks_in_graph else "_outside"
     incoming: dict[tuple[int, int], int] = {}
     captures: list[int] = []
@@ -2214,11 +2231,9 @@ def _region_source(
                 v = value_idx
                 body.append(f"i[{v}] = tensor_pre_hook{where}({arg}hooks[{h}], i[{v}])")
                 hook += 1
-                user_code = True
             elif python:
                 body.append(f"i = pre_hook{where}({arg}hooks[{h}], i)")
                 hook += 1
-                user_code = True
             else:
                 body.append(f"i = cpp_pre_hook(deferred, {k}, {pos}, i)")
         if mode == "traced":
@@ -2248,9 +2263,8 @@ def _region_source(
             if s in functions:
                 n, writes = len(states), functions[s][1]
                 states.append(functions[s][0])
-                args = f"F{n}, i, {saved_k}, {writes}, {not user_code}{lifted}"
+                args = f"F{n}, i, {saved_k}, {writes}{lifted}"
                 body.append(f"o{k} = backward_{n}(deferred, {k}, {args})")
-                user_code = True
             elif escapes and steps[s][1] == "python_function":
                 body.append(f"o{k} = apply_function(deferred, {k}, i, {saved_k}{lifted})")
             else:
@@ -2293,7 +2307,6 @@ def _region_source(
         for pos, python, h in post:
             if python:
                 body.append(f"o{k} = post_hook{where}({arg}hooks[{h}], o{k}, i)")
-                user_code = True
             else:
                 body.append(f"o{k} = cpp_post_hook(deferred, {k}, {pos}, o{k}, i)")
         for target, terms in _grouped(feeds.get(s, ()), f"o{k}"):
