@@ -511,3 +511,22 @@ def test_hooks_run_once_when_a_graph_after_them_fails_to_compile(breaking, capsy
         with pytest.raises(Exception, match="refuses 5-element inputs"):
             replaygrad.backward(e.sum(), compiler=compiler)
         assert log == ["first", "second"]
+
+
+def test_dynamo_failing_on_its_own_assertion_is_a_compile_failure(caplog, monkeypatch):
+    # Dynamo lets an assertion of its own that fails while it compiles a frame through as
+    # it is (e.g. torch 2.13's on stride() of a tensor whose symbolic stride became a
+    # constant): a compile failure, which fallback="eager" sends to the engine, not the
+    # backward's own error.
+    def failing(*args, **kwargs):
+        raise AssertionError("an assertion of Dynamo's")
+
+    monkeypatch.setattr(torch._dynamo.output_graph.OutputGraph, "compile_subgraph", failing)
+    warnings = falls_back_to_the_engine("aot_eager", caplog)
+    assert len(warnings) == 1 and "AssertionError" in warnings[0].getMessage()
+    x, w, _h, loss = graph()
+    key = replaygrad.plan(loss).key
+    with pytest.raises(AssertionError, match="Dynamo's") as info:
+        replaygrad.backward(loss, compiler="aot_eager")
+    assert any(key in note for note in info.value.__notes__)
+    assert x.grad is None and w.grad is None

@@ -1451,3 +1451,69 @@ def test_autograd_debug_logging_names_the_nodes(compiler):
     expected = run(eager_backward)
     assert expected[0].startswith("Executing: <SumBackward0") and len(expected) == 4
     assert run(replay_backward(compiler)) == expected
+
+
+class _Printing(torch.autograd.Function):
+    """Its backward prints: Dynamo breaks the graph there."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        print("backward")
+        return 2 * x * g
+
+
+class _Counted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(3, 3)
+        self.second = nn.Linear(3, 3)
+        self.calls = 0
+
+    def forward(self, x):
+        return self.second(_Printing.apply(self.first(x)))
+
+
+def test_module_hooks_after_a_replay_made_their_sizes_dynamic():
+    # A 1-d graph cut into small regions with hooks, then 2-d calls of a module with full
+    # backward hooks (which print and count) around a graph-breaking Function: Dynamo's
+    # frames of replaygrad's hook callers see the sizes dynamic, one of them a constant by
+    # then; torch 2.13's Dynamo fails on stride() of a tensor with such a stride (an
+    # assertion), which replaygrad's check for expanded gradients read (it skips contiguous
+    # ones now).
+    prior = replaygrad._compile.cache.region_size
+    replaygrad.set_region_size(4)
+    try:
+        h = torch.randn(4, requires_grad=True)
+        for i in range(55):
+            if i == 25:
+                h = _Printing.apply(h)
+            h = (h * 1.01 + 0.01).sin() if i % 2 else h.cos() * 0.9 + h
+            if i % 8 == 0:
+                h.register_hook(lambda g: None)
+        with replaygrad.enable("aot_eager"):
+            h.sum().backward()
+    finally:
+        replaygrad.set_region_size(prior)
+    model = _Counted()
+
+    def hook(module, grad_input, grad_output):
+        model.calls += 1
+        print("hook", model.calls)
+
+    for module in (model.first, model.second, model):
+        module.register_full_backward_hook(hook)
+    for n in range(1, 4):
+        x = torch.randn(2, 3, requires_grad=True)
+        model(x).sum().backward()
+        expected = x.grad
+        x.grad = None
+        with replaygrad.enable("aot_eager"):
+            model(x).sum().backward()
+        torch.testing.assert_close(x.grad, expected)
+        assert model.calls == 6 * n

@@ -24,6 +24,7 @@ import operator
 import threading
 from collections import Counter
 from collections.abc import Iterator
+from traceback import walk_tb
 from typing import Any
 
 import torch
@@ -430,9 +431,20 @@ def _graphs_compiled() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+#: The module whose frames are on the stack while Dynamo compiles a frame.
+_CONVERT_FRAME = torch._dynamo.convert_frame.__file__
+
+
 def _compile_failure(error: BaseException) -> bool:
-    """Errors that mean Dynamo or the backend failed on a replay, not the backward itself."""
-    return isinstance(error, torch._dynamo.exc.TorchDynamoException)
+    """Errors that mean Dynamo or the backend failed on a replay, not the backward itself:
+    Dynamo's, and those raised while it compiled a frame that are not a traced node's (see
+    :func:`node_error`), which Dynamo lets through as they are (e.g. an assertion of its
+    own)."""
+    if isinstance(error, torch._dynamo.exc.TorchDynamoException):
+        return True
+    return node_error(error) is None and any(
+        frame.f_code.co_filename == _CONVERT_FRAME for frame, _ in walk_tb(error.__traceback__)
+    )
 
 
 def _summary(error: BaseException) -> str:

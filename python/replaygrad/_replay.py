@@ -1154,9 +1154,10 @@ def _overlapping(values: Iterable[Any]) -> bool:
     tensor raise (``mul_``) or write every alias (``zero_``); compiled, they are neither
     checked nor replayed right (functionalization writes one alias into the others). So a
     traced hook that gets one runs outside the graph, on the real tensor. Decided while
-    tracing, on the fake tensors' strides."""
+    tracing, on the fake tensors' strides. (A contiguous tensor has none to look at: torch
+    2.13's Dynamo fails on ``stride()`` where a symbolic stride became a constant.)"""
     for v in values:
-        if isinstance(v, torch.Tensor) and v.layout == torch.strided:
+        if isinstance(v, torch.Tensor) and v.layout == torch.strided and not v.is_contiguous():
             for size, stride in zip(v.shape, v.stride()):
                 if stride == 0 and size > 1:
                     return True
