@@ -332,7 +332,7 @@ def _filled(cell: Any) -> bool:
 def at(base: int, hooks_ran: bool = False) -> list:
     """The driver, before a region: the region's step ``k`` is the plan's ``base + k``;
     returns the region's (empty) list of deferred values. ``hooks_ran``: the region before
-    called Python hooks or traced Functions' backwards in its graph."""
+    called Python hooks in its graph."""
     run = _running()
     if hooks_ran:
         run.restartable = False
@@ -2405,13 +2405,7 @@ def _driver_source(
         args = (
             "saved, sizes, hooks" if whole else f"saved[{a}:{b}], sizes[{c}:{d}], hooks[{h0}:{h1}]"
         )
-        before = regions[r - 1] if r > 0 else None
-        # (Traced backwards' side effects too: they go where hooks go.)
-        hooks_ran = (
-            before is not None
-            and hooks_in_graph
-            and (before.hooks[1] > before.hooks[0] or bool(before.function_steps))
-        )
+        hooks_ran = r > 0 and hooks_in_graph and regions[r - 1].hooks[1] > regions[r - 1].hooks[0]
         out.append(f"    d = at({g.start}{', True' if hooks_ran else ''})")
         out.append(f"    ({exported}), ({captured}) = R{r}([{', '.join(inc)}], {args}, d)")
         if g.writes is not None:
