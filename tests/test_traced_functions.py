@@ -707,3 +707,29 @@ def test_a_side_effect_in_an_earlier_region_happens_once_when_a_backward_breaks_
         assert len(entry().replay.regions) > 2
     finally:
         replaygrad.set_region_size(prior)
+
+
+class Unsaving(torch.autograd.Function):
+    """Saves nothing: ctx state only."""
+
+    @staticmethod
+    def forward(ctx, x, k):
+        ctx.k, ctx.mode = k, "scale"
+        return x * k
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad * ctx.k if ctx.mode == "scale" else grad), None
+
+
+@pytest.mark.parametrize("compiler", COMPILED)
+def test_a_function_in_a_graph_without_saved_values_is_traced(compiler):
+    w = torch.randn(3, 4, requires_grad=True)
+
+    def loss():
+        return Unsaving.apply(w, 3.0).sum()
+
+    expected = grads(loss, [w])
+    for _ in range(2):
+        torch.testing.assert_close(grads(loss, [w], compiler), expected)
+    assert entry().replay.functions == (1,)

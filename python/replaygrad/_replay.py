@@ -1615,7 +1615,7 @@ def _traced_function_state(
     a, b = step[6], step[7]
     try:
         values = ctx.saved_tensors
-        if len(values) != b - a or not saved or any(saved[x] is None for x in range(a, b)):
+        if len(values) != b - a or any(not saved or saved[x] is None for x in range(a, b)):
             return None
         seen = {(v.data_ptr(), v.storage_offset(), v.shape, v.stride(), v.dtype) for v in values}
     except Exception:  # freed, modified in place (raised where the node runs), not strided
