@@ -436,13 +436,13 @@ _CONVERT_FRAME = torch._dynamo.convert_frame.__file__
 
 
 def _compile_failure(error: BaseException) -> bool:
-    """Errors that mean Dynamo or the backend failed on a replay, not the backward itself:
-    Dynamo's, and those raised while it compiled a frame that are not a traced node's (see
-    :func:`node_error`), which Dynamo lets through as they are (e.g. an assertion of its
-    own)."""
-    if isinstance(error, torch._dynamo.exc.TorchDynamoException):
-        return True
-    return node_error(error) is None and any(
+    """Errors that mean Dynamo or the backend failed on a replay, not the backward itself
+    (none that wraps a traced node's own error, see :func:`node_error`): Dynamo's, and those
+    raised while it compiled a frame, which it lets through as they are (e.g. an assertion
+    of its own)."""
+    if node_error(error) is not None:
+        return False
+    return isinstance(error, torch._dynamo.exc.TorchDynamoException) or any(
         frame.f_code.co_filename == _CONVERT_FRAME for frame, _ in walk_tb(error.__traceback__)
     )
 
@@ -508,7 +508,7 @@ def _call_until_done(
             with run, torch.no_grad(), non_strided_steps() as non_strided:
                 return entry.replay.fn(*args)
         except Exception as error:
-            failed_to_compile = _compile_failure(error) and node_error(error) is None
+            failed_to_compile = _compile_failure(error)
             if entry.capture and failed_to_compile and run.can_restart():
                 run.pending.clear()
                 cache.stop_capturing(entry, plan, config)
@@ -716,7 +716,7 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
         captured = _call(entry, plan, config, (grads, saved, plan.sizes(), hooks), run)
     except BaseException as error:  # KeyboardInterrupt too
         raised = node_error(error)
-        if raised is not None or not _compile_failure(error):
+        if not _compile_failure(error):
             step = traced_step(error)
             if step is not None:
                 # Raised while a later part of the call was traced, after parts of it ran
