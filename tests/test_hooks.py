@@ -1116,6 +1116,35 @@ def test_module_full_backward_hooks(compiler):
     compare(run, compiler)
 
 
+@pytest.mark.parametrize("compiler", [*COMPILERS, "aot_eager_decomp_partition"])
+def test_global_module_hooks_see_no_module_in_the_backward(compiler):
+    # Eager's backward calls no module. torch's debugging backends call their graph as a
+    # module (a lazy graph module's forward): global forward hooks were called on it, and
+    # one rewriting its module's inputs failed the backward.
+    def run(backward):
+        torch.manual_seed(0)
+        log = []
+        model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+        loss = model(torch.randn(5, 4)).square().sum()
+        handles = [
+            nn.modules.module.register_module_forward_pre_hook(
+                lambda module, args: log.append(("pre", type(module).__name__))
+                or tuple(a * 1 for a in args)
+            ),
+            nn.modules.module.register_module_forward_hook(
+                lambda module, args, output: log.append(("forward", type(module).__name__))
+            ),
+        ]
+        try:
+            backward(loss)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return log, grads_of(model.parameters())
+
+    compare(run, compiler)
+
+
 # ---- saved tensor hooks ------------------------------------------------------------------
 
 

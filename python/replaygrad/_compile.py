@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
+from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 
 from . import _core
 from ._explain import key_difference
@@ -165,7 +166,9 @@ def _compile(
                 kwargs["options"] = {**kwargs["options"]}
             if compiler == "inductor":
                 kwargs = _inductor_kwargs(kwargs, views)
-            compiled = torch.compile(fn, backend=compiler, **kwargs)
+                compiled = torch.compile(fn, backend=compiler, **kwargs)
+            else:
+                compiled = torch.compile(fn, backend=_without_module_calls(compiler), **kwargs)
         else:
             compiled = compiler(fn)
             if not callable(compiled):
@@ -176,6 +179,26 @@ def _compile(
     except Exception as error:
         error.__replaygrad_compile_failed__ = True  # type: ignore[attr-defined]
         raise
+
+
+@functools.cache
+def _without_module_calls(name: str) -> Callable[..., Any]:
+    """The backend named ``name``, its graph modules made eagerly (not lazily): torch's
+    debugging backends (``aot_eager``'s nop compiler) keep the ``forward`` of a lazy graph
+    module, which calls the module (``nn.Module.__call__``) on every run, so that global
+    module hooks (``register_module_forward_pre_hook``, ModuleTracker's and so
+    FlopCounterMode's) were called in the backward, on the graph, where eager calls no
+    module (a hook rewriting its module's inputs then failed the backward)."""
+    backend = torch._dynamo.lookup_backend(name)
+
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Any:
+        if isinstance(gm, _LazyGraphModule):
+            gm.real_recompile()
+        with _use_lazy_graph_module(False):
+            return backend(gm, example_inputs, **kwargs)
+
+    compile_graph.__name__ = f"{name}_without_module_calls"
+    return compile_graph
 
 
 _mend_lock = threading.Lock()
