@@ -261,6 +261,55 @@ def test_nodes_before_an_error_release_their_saved_values(compiler, where):
     assert run(lambda loss: replaygrad.backward(loss, compiler=compiler)) == expected
 
 
+class IndexInBackward(torch.autograd.Function):
+    """A backward that reads its gradient at ``INDEX``: out of range, it raises as it runs."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2 + g[INDEX].sum() * 0.5
+
+
+INDEX = torch.tensor([1])
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("where", ["hook", "function"])
+def test_compiled_code_raising_as_it_runs_leaves_eagers_state(compiler, where):
+    # An op of a hook or Function backward traced into the graph fails on the values (an
+    # index out of range, compiled with one in range): eager has accumulated into s.grad
+    # (its AccumulateGrad runs first) and released the saved values of the nodes that ran,
+    # and raises IndexError (inductor's kernel raises a RuntimeError of its own). A graph's
+    # effects come when it ends: the engine runs the call instead.
+    def run(backward, index):
+        INDEX.fill_(index)
+        torch.manual_seed(0)
+        a, w, s = (torch.randn(3, requires_grad=True) for _ in range(3))
+        h = a.exp() * w
+        if where == "hook":
+            h.register_hook(lambda g: g + g[INDEX].sum() * 0.5)
+        else:
+            h = IndexInBackward.apply(h)
+        loss = (h.sin() * s).sum() + (s * s).sum()
+        raised = []
+        for _ in range(2):
+            try:
+                backward(loss)
+            except (IndexError, RuntimeError) as error:
+                raised.append((type(error).__name__, str(error).split(" ")[:3]))
+        return raised, s.grad, a.grad
+
+    expected = run(torch.autograd.backward, 5)
+    assert expected[0][1][0] == "RuntimeError" and expected[1] is not None
+    for index in (1, 5):  # compiled, then raising
+        got = run(lambda loss: replaygrad.backward(loss, compiler=compiler), index)
+    assert got[0] == expected[0]
+    assert_grads_equal(expected[1:], got[1:], exact=False)
+
+
 def test_untraceable_step_after_a_graph_break_runs_as_itself_on_later_calls():
     # The traced step fails while the code after a graph break compiles, after that graph
     # break ran: this call cannot start over and raises (with a note); later calls run the
