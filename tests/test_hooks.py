@@ -1128,8 +1128,9 @@ def test_global_module_hooks_see_no_module_in_the_backward(compiler):
         loss = model(torch.randn(5, 4)).square().sum()
         handles = [
             nn.modules.module.register_module_forward_pre_hook(
-                lambda module, args: log.append(("pre", type(module).__name__))
-                or tuple(a * 1 for a in args)
+                lambda module, args: (
+                    log.append(("pre", type(module).__name__)) or tuple(a * 1 for a in args)
+                )
             ),
             nn.modules.module.register_module_forward_hook(
                 lambda module, args, output: log.append(("forward", type(module).__name__))

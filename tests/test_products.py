@@ -7,6 +7,7 @@ test compares with eager over several backward calls that accumulate, the first 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -283,13 +284,36 @@ def test_a_weight_in_a_product_and_elsewhere_is_not_factored():
     assert factored(source) == 0
 
 
+@contextlib.contextmanager
+def region_size(steps: int | None):
+    prior = cache.region_size
+    replaygrad.set_region_size(steps)
+    try:
+        yield
+    finally:
+        replaygrad.set_region_size(prior)
+
+
 @pytest.mark.parametrize("compiler", FACTORING)
 def test_a_long_unrolled_cell_adds_blocks_of_products_up_in_the_graph(compiler):
     # Each step's factors of a weight take 3 * (48 + 16) elements, its gradient 48 * 16: four
-    # steps' fit. Of ten steps, the first eight are added up in the graph in two blocks as
-    # they arrive, the last two's product added to that sum.
-    source = unrolled_cell(10, 3, compiler)
+    # steps' fit. Of ten steps in one region, the first eight are added up in the graph in
+    # two blocks as they arrive, the last two's product added to that sum.
+    with region_size(None):
+        source = unrolled_cell(10, 3, compiler)
+    assert source.count("def region") == 1
     assert (factored(source), blocks(source)) == (2, 4)
+
+
+@pytest.mark.parametrize("compiler", FACTORING)
+def test_an_unrolled_cell_is_cut_into_regions_of_a_blocks_steps(compiler):
+    # As above, with regions (the default): a compiler schedules a region's kernels as it
+    # sees fit (inductor made every block at the region's end, holding all the factors until
+    # then), so the regions span a block's steps, each sending its products on.
+    source = unrolled_cell(10, 3, compiler)
+    assert source.count("def region") == 3
+    assert source.count("product_sum(") == 2 * 2
+    assert (factored(source), blocks(source)) == (2, 0)
 
 
 @pytest.mark.parametrize("compiler", FACTORING)
@@ -327,12 +351,8 @@ def test_products_across_regions(region, compiler):
     # An unrolled cell split into regions: each region sends the products it made on to the
     # next (what came before plus its own, one matrix product), and the last region's go
     # into the accumulation.
-    prior = cache.region_size
-    replaygrad.set_region_size(region)
-    try:
+    with region_size(region):
         source = unrolled_cell(30, 3, compiler)
-    finally:
-        replaygrad.set_region_size(prior)
     assert source.count("def region") > 1
     assert source.count("product_sum(") > 0
     assert factored(source) == 2
@@ -340,7 +360,8 @@ def test_products_across_regions(region, compiler):
 
 def test_blocks_are_sized_by_the_first_batch():
     # Blocks of four steps at 3 rows; other batch sizes (dynamic) keep them.
-    source = unrolled_cell(10, [3, 7, 2, 12], aot)
+    with region_size(None):
+        source = unrolled_cell(10, [3, 7, 2, 12], aot)
     assert (factored(source), blocks(source)) == (2, 4)
 
 
