@@ -4,7 +4,9 @@ failures are reported with the plan's key (or sent to the engine with fallback='
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 
 import pytest
 import torch
@@ -308,6 +310,68 @@ def test_compiled_code_raising_as_it_runs_leaves_eagers_state(compiler, where):
         got = run(lambda loss: replaygrad.backward(loss, compiler=compiler), index)
     assert got[0] == expected[0]
     assert_grads_equal(expected[1:], got[1:], exact=False)
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("hook", ["tensor", "multi-grad"])
+def test_a_hook_raising_in_a_compiled_graph_releases_the_saved_values_before_it(compiler, hook):
+    # The hook's caller (which runs as Python from the graph break the raise makes) tells its
+    # step: the nodes before it ran, and released their saved values. Before, those since
+    # the region's start were kept: a second backward ran them again, accumulating twice.
+    def run(backward):
+        torch.manual_seed(0)
+        a, b, c = (torch.randn(3, requires_grad=True) for _ in range(3))
+        h = a.sin()
+        loss = (h * b).sum() + (c * 2).sum()
+
+        def boom(_):
+            raise Boom("hook failed")
+
+        if hook == "tensor":
+            h.register_hook(boom)
+        else:
+            torch.autograd.graph.register_multi_grad_hook((h, c), boom)
+        raised = []
+        for _ in range(2):
+            try:
+                backward(loss)
+            except (Boom, RuntimeError) as error:
+                raised.append((type(error).__name__, str(error).split(".")[0]))
+        return raised, grads_of((a, b, c))
+
+    expected = run(torch.autograd.backward)
+    assert expected[0][1][0] == "RuntimeError"
+    got = run(lambda loss: replaygrad.backward(loss, compiler=compiler))
+    assert got[0] == expected[0]
+    assert_grads_equal(expected[1], got[1], exact=compiler is None)
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_a_kept_error_keeps_no_replay_frame(compiler):
+    # An error a hook raised, kept (stored, or in a test report), holds its traceback:
+    # eager's has the user's frames only, the replay's had its own, whose locals held the
+    # call's saved values and gradients.
+    def run(backward):
+        torch.manual_seed(0)
+        a = torch.randn(3, requires_grad=True)
+        f = (a * 2).exp().sin()
+        kept = weakref.ref(f)
+
+        def boom(_):
+            raise Boom("hook failed")
+
+        f.register_hook(boom)
+        loss = (f * a).sum()
+        try:
+            backward(loss)
+        except Boom as error:
+            error_kept = error
+        del f, loss
+        gc.collect()
+        return kept() is None, error_kept
+
+    assert run(torch.autograd.backward)[0]
+    assert run(lambda loss: replaygrad.backward(loss, compiler=compiler))[0]
 
 
 def test_untraceable_step_after_a_graph_break_runs_as_itself_on_later_calls():

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
+import os
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from . import _core
+from . import _replay as _replay_module
 from ._compile import Config, Entry, _cache_entries, cache, compile_failed, recompile_limit
 from ._explain import table
 from ._logging import Lazy, log, plan_log
@@ -133,7 +135,16 @@ def _engine_run_backward(outputs: Any, *args: Any, **kwargs: Any) -> tuple:
     GraphTask and dependency count, which nothing in such a call can observe, cost about as
     much as planning it (see :func:`_replay_without_engine`). Any other call goes to the
     engine, and through its hook. So is ``torch.autograd.grad`` and ``backward(inputs=)``
-    with tensors as inputs (see :func:`_grad_without_engine`)."""
+    with tensors as inputs (see :func:`_grad_without_engine`). What it raises keeps no
+    frame of the replay's (see :func:`_clear_frames`)."""
+    try:
+        return _run_backward(outputs, args, kwargs)
+    except BaseException as error:
+        _clear_frames(error.__traceback__)
+        raise
+
+
+def _run_backward(outputs: Any, args: tuple, kwargs: dict) -> tuple:
     if len(args) == 4 and not args[2] and kwargs.get("accumulate_grad") is True:
         # backward(tensors, grads, retain_graph, create_graph=False, inputs)
         if not args[3]:
@@ -150,6 +161,50 @@ def _engine_run_backward(outputs: Any, *args: Any, **kwargs: Any) -> tuple:
         return _torch_engine_run_backward(outputs, *args, **kwargs)
     finally:
         _tls.planned = None
+
+
+def _raising_step(error: BaseException, base: int) -> int:
+    """The step of the replay (whose raising region starts at step ``base``) whose user code
+    raised ``error``, as its frame of the function that called that code tells (a hook's or
+    a Python Function backward's caller, whose arguments are the region's deferred list and
+    step: Dynamo runs it as Python from the graph break the raise makes); 0 if none does.
+    The steps before it ran, in the engine: where they ran in a compiled graph, nothing
+    else tells (see ``running.reached``)."""
+    for frame, _ in walk_tb(error.__traceback__):
+        code = frame.f_code
+        if code.co_filename == _REPLAY_FILE and code.co_varnames[:2] == ("deferred", "step"):
+            step = frame.f_locals.get("step")
+            return base + step if type(step) is int else 0
+    return 0
+
+
+_REPLAY_FILE = _replay_module.__file__
+
+#: The directories whose frames :func:`_clear_frames` clears: replaygrad's and torch's.
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def _clear_frames(tb: Any) -> None:
+    """Clears the locals of the finished frames of a replay in a traceback: replaygrad's (its
+    generated code's too) and torch's between them (Dynamo's wrappers of compiled regions).
+    They hold the call's gradients and saved values, which an error the user keeps (stored,
+    or in a test report) would keep alive with them, where eager's traceback holds the
+    user's frames only (the C++ engine's are none). The user's frames (a hook's, below) keep
+    theirs."""
+    frames = [frame for frame, _ in walk_tb(tb)]
+    own = [n for n, frame in enumerate(frames) if _own_code(frame.f_code)]
+    if not own:
+        return
+    for frame in frames[own[0] : own[-1] + 1]:
+        name = frame.f_code.co_filename
+        if _own_code(frame.f_code) or name.startswith(_TORCH_DIR):
+            with contextlib.suppress(RuntimeError):  # still running (the caller's)
+                frame.clear()
+
+
+def _own_code(code: Any) -> bool:
+    return code.co_filename.startswith((_OWN_DIR, "<replaygrad "))
 
 
 #: What is installed: a function compiled with ``torch.compile`` that calls
@@ -734,12 +789,12 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
                     # it ends, so those of the steps before the failing one (accumulations,
                     # released saved values) are not known. The engine runs the call from
                     # the start, as nothing of it ran, and raises eager's error with eager's
-                    # effects before it.
+                    # effects before it (or runs it, where the compiled code was at fault).
                     _leave_to_engine(
                         f"a compiled replay of plan {plan.key} raised as it ran "
-                        f"({_summary(error)}); the engine runs the call to raise where eager "
-                        "does",
-                        logging.DEBUG,
+                        f"({_summary(error)}): the engine runs such a call from the start, "
+                        "raising where eager does",
+                        logging.WARNING,
                     )
                     return None
             # The entry stays (this is no compile failure): what was compiled serves the next
@@ -749,7 +804,7 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
             # and released the saved variables of the nodes before it.
             del saved
             plan.run_deferred(deferred, complete=False)
-            plan.release_variables(run.reached)
+            plan.release_variables(max(run.reached, _raising_step(error, run.base)))
             if raised is not None and raised is not error:
                 raise raised.with_traceback(raised.__traceback__) from None
             raise
