@@ -1285,6 +1285,23 @@ rg_status rg_node_is_traceable(rg_node* n, int* out) {
   RG_CATCH
 }
 
+rg_status rg_python_function_passes_none(rg_node* n, size_t input, int* out) {
+  RG_TRY
+  *out = 0;
+  Node& node = *as_node(n);
+  if (node_type(node) != NodeType::kPython) {
+    return fail(RG_KIND_RUNTIME, "rg_python_function_passes_none: not a Python Function's node");
+  }
+  auto* fn = reinterpret_cast<THPFunction*>(static_cast<torch::autograd::PyNode&>(node).pyobj());
+  if (fn == nullptr || input >= node.num_inputs()) {
+    return fail(RG_KIND_INDEX, "rg_python_function_passes_none: no such input");
+  }
+  // PyNode::to_py_args.
+  *out = !fn->materialize_grads || (node.input_metadata(input).was_default_constructed() &&
+                                    !fn->materialize_non_diff_grads);
+  RG_CATCH
+}
+
 // The dict of callables behind Python hook `i` of `kind` (borrowed), nullptr for a C++ hook;
 // for a tensor pre-hook, *value_idx is the input it watches. Throws on a bad index.
 static PyObject* hook_dict(Node& node, int kind, size_t i, int64_t* value_idx) {

@@ -116,6 +116,10 @@ rg_status rg_node_name(rg_node* node, char* buf, size_t cap, size_t* len);
 // node->is_traceable(); a Python Function without an `is_traceable` attribute is not
 // traceable (torch raises AttributeError there; the error is cleared).
 rg_status rg_node_is_traceable(rg_node* node, int* out);
+// For a Python Function's node: *out = 1 if PyNode::apply hands its backward None for an
+// undefined gradient at `input` (materialize_grads off, or a non-differentiable output with
+// materialize_non_diff_grads off), 0 if zeros. An error for other nodes.
+rg_status rg_python_function_passes_none(rg_node* node, size_t input, int* out);
 
 // ---- hooks -----------------------------------------------------------------------------
 typedef enum {

@@ -95,6 +95,7 @@ extern "C" {
     ) -> c_int;
     fn rg_node_name(node: *mut RawNode, buf: *mut c_char, cap: usize, len: *mut usize) -> c_int;
     fn rg_node_is_traceable(node: *mut RawNode, out: *mut c_int) -> c_int;
+    fn rg_python_function_passes_none(node: *mut RawNode, input: usize, out: *mut c_int) -> c_int;
 
     fn rg_node_hook_dict(
         node: *mut RawNode,
@@ -550,6 +551,15 @@ impl NodeRef {
         let mut out = 0;
         // SAFETY: the node is alive while self is.
         check(unsafe { rg_node_is_traceable(self.as_ptr(), &mut out) })?;
+        Ok(out != 0)
+    }
+
+    /// For a Python Function's node: whether its backward gets None for an undefined
+    /// gradient at `input` (not zeros), as PyNode::apply decides.
+    pub fn passes_none(&self, input: usize) -> Result<bool, ShimError> {
+        let mut out = 0;
+        // SAFETY: the node is alive while self is.
+        check(unsafe { rg_python_function_passes_none(self.as_ptr(), input, &mut out) })?;
         Ok(out != 0)
     }
 

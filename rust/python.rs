@@ -263,6 +263,18 @@ impl PyPlan {
         Ok(self.plan.node(step)?.is_traceable()?)
     }
 
+    /// For a Python Function's step: per input, whether its backward gets None for an
+    /// undefined gradient there (`set_materialize_grads(False)`, or a non-differentiable
+    /// output with `_materialize_non_diff_grads` off), not zeros. Part of the key.
+    fn passes_none(&self, step: u32) -> PyResult<Vec<bool>> {
+        let node = self.plan.node(step)?;
+        let n = self.plan.schedule.steps[step as usize];
+        let inputs = self.plan.snapshot.graph.nodes[n as usize].num_inputs;
+        Ok((0..inputs as usize)
+            .map(|i| node.passes_none(i))
+            .collect::<Result<Vec<_>, _>>()?)
+    }
+
     /// The grad_fn object of one step (what `torch._C._current_autograd_node()` returns while
     /// the engine runs it).
     fn node_object<'py>(&self, py: Python<'py>, step: u32) -> PyResult<Bound<'py, PyAny>> {

@@ -278,6 +278,46 @@ def test_an_unused_output_gets_zeros_as_in_eager(compiler):
     assert entry().replay.functions == ()  # the engine materializes the zeros
 
 
+class Unmaterialized(torch.autograd.Function):
+    """Outputs: a product, a non-differentiable mask and another product; the backward gets
+    None for missing gradients (``set_materialize_grads(False)``), or only for the mask
+    (``_materialize_non_diff_grads`` off)."""
+
+    @staticmethod
+    def forward(ctx, x, materialize):
+        ctx.set_materialize_grads(materialize)
+        ctx._materialize_non_diff_grads = False
+        mask = x > 0
+        ctx.mark_non_differentiable(mask)
+        return x * 2, mask, x * 3
+
+    @staticmethod
+    def backward(ctx, g1, g_mask, g2):
+        assert g_mask is None
+        grad = g1 * 2 if g1 is not None else None
+        if g2 is not None:
+            grad = g2 * 3 if grad is None else grad + g2 * 3
+        return grad, None
+
+
+@pytest.mark.parametrize("compiler", COMPILED)
+@pytest.mark.parametrize("materialize", [False, True])
+def test_a_backward_given_none_for_missing_gradients_is_traced(compiler, materialize):
+    # Where the engine hands the backward None for a gradient no node sends (the Function
+    # says so), the traced backward gets None too; where it materializes zeros, the node
+    # runs as itself (see the test above).
+    w = torch.randn(4, requires_grad=True)
+
+    def loss():
+        first, _, _ = Unmaterialized.apply(w.cos(), materialize)
+        return first.sum()
+
+    expected = grads(loss, [w])
+    for _ in range(2):
+        torch.testing.assert_close(grads(loss, [w], compiler), expected)
+    assert len(entry().replay.functions) == (0 if materialize else 1)
+
+
 class WritesGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):

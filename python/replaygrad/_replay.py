@@ -496,10 +496,12 @@ class FunctionState:
     the node's ctx when the replay is built and shared by the regions of its key; it keeps
     no tensor and no graph alive."""
 
-    def __init__(self, ctx: Any) -> None:
+    def __init__(self, ctx: Any, passes_none: Sequence[bool] = ()) -> None:
         self.__dict__.update(vars(ctx))
         self._forward_cls = ctx._forward_cls
         self.needs_input_grad = ctx.needs_input_grad
+        #: Per input: the engine hands the backward None for a missing gradient there.
+        self._replaygrad_passes_none = tuple(passes_none)
 
 
 def function_backward(
@@ -516,10 +518,13 @@ def function_backward(
     ``saved`` as ``saved_tensors`` and ``state`` for the rest (as torch's compiled autograd
     calls it), and its result checked and cast as PyNode::apply and validate_outputs do
     (see :func:`function_outputs`; ``sizes``: the step's lifted sizes). Given a missing
-    gradient (which the engine would materialize as zeros), or one with elements sharing
-    memory (see :func:`_overlapping`) where the backward may write in place (``writes``),
-    decided while tracing, the node runs as itself instead, outside the graph."""
-    if any(g is None for g in inputs) or (writes and _overlapping(inputs)):
+    gradient where the engine would materialize zeros (not where it passes None, see
+    ``FunctionState``), or one with elements sharing memory (see :func:`_overlapping`)
+    where the backward may write in place (``writes``), decided while tracing, the node
+    runs as itself instead, outside the graph."""
+    nones = state._replaygrad_passes_none
+    missing = any(g is None and not (n < len(nones) and nones[n]) for n, g in enumerate(inputs))
+    if missing or (writes and _overlapping(inputs)):
         return apply_opaque(deferred, step, inputs, False)
     _USER_CODE.ran = True
     comptime(_tracing_backward)
@@ -1556,7 +1561,8 @@ def traced_functions(
     wrapped in ``torch._dynamo.disable`` (how a user keeps a backward out of compiled
     graphs), is not a plain function, comes with ``vjp``, ``boxed_grads_call`` or
     ``clear_saved_tensors_on_access``; where an
-    input gradient has no source (the engine materializes zeros); or where its saved tensors
+    input gradient has no source and the engine would materialize zeros there (not where
+    it passes None: ``set_materialize_grads(False)``); or where its saved tensors
     are not plain (None, or one tensor saved twice: the replay's slots of a node follow its
     distinct tensors); or where it may write in place and can reach a tensor other than its
     saved tensors and gradients (see :func:`_outer_tensors`)."""
@@ -1566,7 +1572,11 @@ def traced_functions(
         if step[1] != "python_function" or step[2] != "traced" or plan.is_traceable(s):
             continue
         ctx = plan.node_object(s) if dynamo else None
-        state = _traced_function_state(ctx, step, saved) if ctx is not None else None
+        state = (
+            _traced_function_state(ctx, step, saved, plan.passes_none(s))
+            if ctx is not None
+            else None
+        )
         if state is None:
             themselves.add(s)
         else:
@@ -1589,11 +1599,12 @@ _CTX_API = frozenset(
 
 
 def _traced_function_state(
-    ctx: Any, step: tuple, saved: Sequence[Any]
+    ctx: Any, step: tuple, saved: Sequence[Any], passes_none: Sequence[bool]
 ) -> tuple[FunctionState, bool] | None:
     """The state of a Python Function's ctx for :func:`function_backward` and whether its
     backward may write in place, or None where it runs as itself (see
-    :func:`traced_functions`)."""
+    :func:`traced_functions`). ``passes_none``: per input, whether the engine hands the
+    backward None for a missing gradient there (``Plan.passes_none``)."""
     cls = ctx._forward_cls
     backward = inspect.getattr_static(cls, "backward", None)
     function = torch.autograd.Function
@@ -1606,7 +1617,7 @@ def _traced_function_state(
         or getattr(cls, "boxed_grads_call", False)
         # (Looked at below, its saved tensors would be cleared before its backward runs.)
         or getattr(cls, "clear_saved_tensors_on_access", False)
-        or any(not sources for sources in step[8])
+        or any(not sources and not none for sources, none in zip(step[8], passes_none))
     ):
         return None
     names = _hook_names([[backward.__func__]])
@@ -1627,7 +1638,7 @@ def _traced_function_state(
     )
     if writes and _outer_tensors(backward.__func__, 2):
         return None
-    return FunctionState(ctx), writes
+    return FunctionState(ctx, passes_none), writes
 
 
 def _outer_tensors(fn: Any, depth: int) -> bool:
