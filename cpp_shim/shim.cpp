@@ -8,6 +8,7 @@
 #include <torch/csrc/Layout.h>
 #include <torch/csrc/MemoryFormat.h>
 #include <torch/csrc/PyInterpreter.h>
+#include <torch/csrc/Size.h>
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
@@ -1421,14 +1422,17 @@ void rg_collector_free(rg_collector* c) {
 
 // Whether `v` is an immutable plain value whose repr identifies it: also torch's dtypes,
 // devices, layouts and memory formats (a forward keeping its input's dtype for the
-// backward's cast, `ctx.dtype = x.dtype`, is common).
+// backward's cast, `ctx.dtype = x.dtype`, is common), and torch.Size. Of the builtin types,
+// not their subclasses: numpy's float64 is a float, which Dynamo traces as a 0-dim array,
+// and an IntEnum an int.
 static bool is_plain_value(PyObject* v) {
-  if (v == Py_None || PyBool_Check(v) || PyLong_Check(v) || PyFloat_Check(v) ||
-      PyComplex_Check(v) || PyUnicode_Check(v) || PyBytes_Check(v) || THPDtype_Check(v) ||
-      THPDevice_Check(v) || THPLayout_Check(v) || THPMemoryFormat_Check(v)) {
+  if (v == Py_None || PyBool_Check(v) || PyLong_CheckExact(v) || PyFloat_CheckExact(v) ||
+      PyComplex_CheckExact(v) || PyUnicode_CheckExact(v) || PyBytes_CheckExact(v) ||
+      THPDtype_Check(v) || THPDevice_Check(v) || THPLayout_Check(v) ||
+      THPMemoryFormat_Check(v)) {
     return true;
   }
-  if (PyTuple_Check(v)) {
+  if (PyTuple_CheckExact(v) || THPSize_Check(v)) {
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(v); ++i) {
       if (!is_plain_value(PyTuple_GET_ITEM(v, i))) {
         return false;

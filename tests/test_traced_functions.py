@@ -5,6 +5,9 @@ compares with eager autograd on the same inputs."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
+import numpy
 import pytest
 import torch
 from torch.autograd.function import once_differentiable
@@ -276,6 +279,37 @@ def test_an_unused_output_gets_zeros_as_in_eager(compiler):
     expected = grads(loss, [w])
     torch.testing.assert_close(grads(loss, [w], compiler), expected)
     assert entry().replay.functions == ()  # the engine materializes the zeros
+
+
+class KeepingNumpy(torch.autograd.Function):
+    """Keeps a numpy scalar on ctx, a float subclass that Dynamo traces as a 0-dim array."""
+
+    seen: ClassVar[list] = []
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        KeepingNumpy.seen.append(type(ctx.scale).__name__)
+        return g * ctx.scale, None
+
+
+@pytest.mark.parametrize("compiler", COMPILED)
+def test_a_ctx_keeping_numpy_scalars_runs_as_itself(compiler):
+    # Plain values are of the builtin types themselves: the backward sees numpy's scalars,
+    # as in eager, where traced it saw an ndarray for a float64 (a float subclass).
+    w = torch.randn(4, requires_grad=True)
+    scalars = [numpy.float64(1.5), numpy.float32(2.5), numpy.int64(3)]
+    for scalar in scalars:
+        expected = grads(lambda: KeepingNumpy.apply(w, scalar).sum(), [w])  # noqa: B023
+        got = grads(lambda: KeepingNumpy.apply(w, scalar).sum(), [w], compiler)  # noqa: B023
+        torch.testing.assert_close(got, expected)
+    names = [type(scalar).__name__ for scalar in scalars]
+    assert KeepingNumpy.seen == [name for name in names for _ in range(2)]
+    KeepingNumpy.seen.clear()
 
 
 class Unmaterialized(torch.autograd.Function):
