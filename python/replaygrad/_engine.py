@@ -781,22 +781,21 @@ def _replay(config: Config, plan: _core.Plan) -> tuple[torch.Tensor | None, ...]
                     f"replaygrad: step {step} of this backward raised while it was being "
                     "compiled, after earlier steps ran; later calls run it as itself"
                 )
-            elif config.compiler is not None and isinstance(error, Exception):
-                if run.can_restart():
-                    # Raised by compiled code as it ran (an op of a traced hook or Function
-                    # backward failing on the values, e.g. an index out of range), before
-                    # anything of the call was seen: a compiled graph's effects come when
-                    # it ends, so those of the steps before the failing one (accumulations,
-                    # released saved values) are not known. The engine runs the call from
-                    # the start, as nothing of it ran, and raises eager's error with eager's
-                    # effects before it (or runs it, where the compiled code was at fault).
-                    _leave_to_engine(
-                        f"a compiled replay of plan {plan.key} raised as it ran "
-                        f"({_summary(error)}): the engine runs such a call from the start, "
-                        "raising where eager does",
-                        logging.WARNING,
-                    )
-                    return None
+            elif config.compiler is not None and isinstance(error, Exception) and run.can_restart():
+                # Raised by compiled code as it ran (an op of a traced hook or Function
+                # backward failing on the values, e.g. an index out of range), before
+                # anything of the call was seen: a compiled graph's effects come when it
+                # ends, so those of the steps before the failing one (accumulations,
+                # released saved values) are not known. The engine runs the call from the
+                # start, as nothing of it ran, and raises eager's error with eager's effects
+                # before it (or runs it, where the compiled code was at fault).
+                _leave_to_engine(
+                    f"a compiled replay of plan {plan.key} raised as it ran "
+                    f"({_summary(error)}): the engine runs such a call from the start, "
+                    "raising where eager does",
+                    logging.WARNING,
+                )
+                return None
             # The entry stays (this is no compile failure): what was compiled serves the next
             # call, so a backward that raises on every call, e.g. in a test of its error,
             # compiles once.
