@@ -1189,12 +1189,18 @@ rg_status rg_node_describe(rg_node* n, rg_node_info* info, rg_node** nodes, uint
     if (layout != c10::kStrided) {
       info->non_strided_inputs += 1;
     }
-    int32_t head[5] = {
+    // The dtype the engine casts a gradient to (a leaf's `grad_dtype`, -1 for none: any
+    // dtype goes; -2 where the metadata is a non-differentiable output's, which has none).
+    const int32_t grad_dtype =
+        m.was_default_constructed() ? -2
+                                    : (m.grad_dtype() ? static_cast<int32_t>(*m.grad_dtype()) : -1);
+    int32_t head[6] = {
         static_cast<int32_t>(c10::typeMetaToScalarType(m.dtype())),
         static_cast<int32_t>(m.device().type()),
         static_cast<int32_t>(m.device().index()),
         static_cast<int32_t>(layout),
         0,
+        grad_dtype,
     };
     if (nested) {
       info->nested_inputs += 1;

@@ -105,8 +105,10 @@ typedef struct {
 // edge_cap)) as borrowed node pointers (null for invalid edges) and input_nrs (count is
 // info->num_outputs); and the metadata of its inputs (what the engine checks gradients
 // against) as bytes, written up to meta_cap, full length in *meta_len: per input the int32s
-// dtype (c10::ScalarType), device type, device index, layout (c10::Layout) and dim count (-1
-// for nested tensors, which have no plain shape), then the sizes as int64s.
+// dtype (c10::ScalarType), device type, device index, layout (c10::Layout), dim count (-1
+// for nested tensors, which have no plain shape) and the dtype the engine casts gradients to
+// (a leaf's grad_dtype; -1 for none, -2 for a non-differentiable output's metadata), then
+// the sizes as int64s.
 rg_status rg_node_describe(rg_node* node, rg_node_info* info, rg_node** nodes, uint32_t* input_nrs,
                            size_t edge_cap, uint8_t* meta, size_t meta_cap, size_t* meta_len);
 // Fills next_edges()[0..n): borrowed node pointers (null for invalid edges) and input_nrs.

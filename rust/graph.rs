@@ -187,14 +187,15 @@ impl Snapshot {
 /// One input's metadata record in [`Snapshot::input_meta`] (see `rg_node_describe`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MetaRecord<'a> {
-    /// Five i32: dtype, device type and index, layout, rank (-1 for a nested tensor).
+    /// Six i32: dtype, device type and index, layout, rank (-1 for a nested tensor), the
+    /// dtype gradients are cast to (a leaf's `grad_dtype`).
     pub head: &'a [u8],
     /// `rank` native-endian i64s; empty for a nested tensor.
     pub dims: &'a [u8],
 }
 
 impl MetaRecord<'_> {
-    pub const HEAD: usize = 5 * 4;
+    pub const HEAD: usize = 6 * 4;
 
     /// A nested tensor's metadata has no plain shape.
     pub fn is_nested(&self) -> bool {
@@ -418,7 +419,7 @@ mod tests {
     }
 
     fn record(rank: i32, dims: &[i64]) -> Vec<u8> {
-        let head = [6, 0, -1, 0, rank];
+        let head = [6, 0, -1, 0, rank, 6];
         let mut out: Vec<u8> = head.iter().flat_map(|v| v.to_ne_bytes()).collect();
         out.extend(dims.iter().flat_map(|v| v.to_ne_bytes()));
         out

@@ -404,7 +404,7 @@ fn hash_u32(h: &mut Xxh3, v: u32) {
 mod tests {
     use super::without_dims;
 
-    fn record(head: [i32; 5], dims: &[i64]) -> Vec<u8> {
+    fn record(head: [i32; 6], dims: &[i64]) -> Vec<u8> {
         let mut out: Vec<u8> = head.iter().flat_map(|v| v.to_ne_bytes()).collect();
         out.extend(dims.iter().flat_map(|v| v.to_ne_bytes()));
         out
@@ -412,28 +412,28 @@ mod tests {
 
     #[test]
     fn without_dims_keeps_every_record_head_and_drops_the_dims() {
-        let a = record([6, 0, -1, 0, 2], &[64, 8]);
-        let b = record([7, 0, -1, 0, 0], &[]);
-        let c = record([6, 0, -1, 0, 1], &[3]);
+        let a = record([6, 0, -1, 0, 2, -1], &[64, 8]);
+        let b = record([7, 0, -1, 0, 0, -1], &[]);
+        let c = record([6, 0, -1, 0, 1, -1], &[3]);
         let mut meta = a.clone();
         meta.extend(&b);
         meta.extend(&c);
         let mut out = Vec::new();
         without_dims(&meta, &mut out);
-        let mut expected = a[..20].to_vec();
+        let mut expected = a[..24].to_vec();
         expected.extend(&b);
-        expected.extend(&c[..20]);
+        expected.extend(&c[..24]);
         assert_eq!(out, expected);
 
         // The same records with other dims give the same bytes; another rank does not.
-        let mut other = record([6, 0, -1, 0, 2], &[5, 8]);
+        let mut other = record([6, 0, -1, 0, 2, -1], &[5, 8]);
         other.extend(&b);
-        other.extend(record([6, 0, -1, 0, 1], &[9]));
+        other.extend(record([6, 0, -1, 0, 1, -1], &[9]));
         let mut out2 = Vec::new();
         without_dims(&other, &mut out2);
         assert_eq!(out, out2);
         let mut out3 = Vec::new();
-        without_dims(&record([6, 0, -1, 0, 1], &[64]), &mut out3);
-        assert_ne!(out3, out[..20].to_vec());
+        without_dims(&record([6, 0, -1, 0, 1, -1], &[64]), &mut out3);
+        assert_ne!(out3, out[..24].to_vec());
     }
 }

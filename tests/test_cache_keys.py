@@ -917,3 +917,39 @@ def test_an_empty_input_after_sizes_became_dynamic(compiler):
         got = replaygrad.grad(torch.cat([a, b]), [a, b], g, compiler=compiler)
         for e, r in zip(expected, got):
             torch.testing.assert_close(r, e)
+
+
+class ToDouble(torch.autograd.Function):
+    """Hands back a float64 gradient: the engine casts it to the leaf's ``grad_dtype``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.double() * 2
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_a_leafs_grad_dtype_is_part_of_the_key(compiler):
+    # The engine casts a leaf's gradient to its grad_dtype (None: no cast), which a compiled
+    # replay bakes in: a replay made for one grad_dtype gave another leaf its cast.
+    def run(grad_dtype, backward):
+        w = torch.tensor([3.0, 4.0], requires_grad=True)
+        if grad_dtype != "unset":
+            w.grad_dtype = grad_dtype
+        backward((ToDouble.apply(w.sin()) * 2).sum())
+        return w.grad
+
+    keys = set()
+    for grad_dtype in ("unset", None, torch.float16, torch.float64):
+        expected = run(grad_dtype, torch.autograd.backward)
+        got = run(grad_dtype, lambda loss: replaygrad.backward(loss, compiler=compiler))
+        assert got.dtype == expected.dtype
+        torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-3)
+        w = torch.tensor([3.0, 4.0], requires_grad=True)
+        if grad_dtype != "unset":
+            w.grad_dtype = grad_dtype
+        keys.add(key((ToDouble.apply(w.sin()) * 2).sum()))
+    assert len(keys) == 4
