@@ -368,8 +368,9 @@ fn input_metadata_bytes_are_dtype_device_and_shape() {
         plan.snapshot.input_meta(n).to_vec()
     };
     let head = |ndim: i32| -> Vec<u8> {
-        // c10::ScalarType::Double = 7, DeviceType::CPU = 0, index -1, Layout::Strided = 0.
-        [7i32, 0, -1, 0, ndim]
+        // c10::ScalarType::Double = 7, DeviceType::CPU = 0, index -1, Layout::Strided = 0,
+        // and the dtype gradients are cast to: Double.
+        [7i32, 0, -1, 0, ndim, 7]
             .iter()
             .flat_map(|v| v.to_le_bytes())
             .collect()
