@@ -166,9 +166,10 @@ def _compile(
                 kwargs["options"] = {**kwargs["options"]}
             if compiler == "inductor":
                 kwargs = _inductor_kwargs(kwargs, views)
-                compiled = torch.compile(fn, backend=compiler, **kwargs)
+                backend: Any = compiler
             else:
-                compiled = torch.compile(fn, backend=_without_module_calls(compiler), **kwargs)
+                backend = _without_module_calls(compiler)
+            compiled = torch.compile(fn, backend=backend, **kwargs)
         else:
             compiled = compiler(fn)
             if not callable(compiled):
