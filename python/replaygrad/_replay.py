@@ -496,7 +496,7 @@ class FunctionState:
     the node's ctx when the replay is built and shared by the regions of its key; it keeps
     no tensor and no graph alive."""
 
-    def __init__(self, ctx: Any, passes_none: Sequence[bool] = ()) -> None:
+    def __init__(self, ctx: Any, passes_none: Sequence[bool]) -> None:
         self.__dict__.update(vars(ctx))
         self._forward_cls = ctx._forward_cls
         self.needs_input_grad = ctx.needs_input_grad
@@ -523,7 +523,7 @@ def function_backward(
     where the backward may write in place (``writes``), decided while tracing, the node
     runs as itself instead, outside the graph."""
     nones = state._replaygrad_passes_none
-    missing = any(g is None and not (n < len(nones) and nones[n]) for n, g in enumerate(inputs))
+    missing = any(g is None and not none for g, none in zip(inputs, nones))
     if missing or (writes and _overlapping(inputs)):
         return apply_opaque(deferred, step, inputs, False)
     _USER_CODE.ran = True
