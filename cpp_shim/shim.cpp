@@ -1669,6 +1669,8 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
     *n_sizes = 0;
     clear_map(unpacked);
     clear_map(compiler.sv_to_hooks);
+    auto& lifted = compiler.lifted_ivalue_args.args;
+    lifted.erase(lifted.begin() + static_cast<std::ptrdiff_t>(ivalues_before), lifted.end());
     return RG_OK;
   };
   try {
@@ -1676,6 +1678,18 @@ rg_status rg_collector_visit(rg_collector* c, rg_node* n, int* supported, size_t
   } catch (const c10::NotImplementedError&) {
     // A node type that does not describe its state (e.g. a third-party Node subclass):
     // it can only run as itself.
+    return opaque();
+  } catch (python_error&) {
+    // A Python Function whose `_compiled_autograd_key` raises (AOTAutograd's backward of
+    // a compiled backward has no `symints`; its backward raises that double backward is
+    // not supported): its state is unknown, so it runs as itself, raising what it raises
+    // where the engine runs it. (The error, caught here, is dropped.)
+    if (type != NodeType::kPython) {
+      throw;
+    }
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyErr_Clear();
+    PyGILState_Release(gil);
     return opaque();
   }
   // CopySlices runs the node of the in-place op it wraps: traced only when that node is one

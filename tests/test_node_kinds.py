@@ -379,6 +379,57 @@ def test_compiled_forward(compiler):
     compare(run, compiler)
 
 
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_double_backward_through_a_compiled_forward_raises_eagers_error(compiler):
+    # The first backward's graph holds the node of AOTAutograd's compiled backward, whose
+    # `_compiled_autograd_key` raises AttributeError (it has no `symints`): planning took that
+    # error for its own. The node runs as itself and raises what eager raises.
+    f = torch.compile(lambda a: a.pow(3).sum(), backend="aot_eager")
+
+    def second_order() -> None:
+        a = torch.randn(4, requires_grad=True)
+        (g,) = torch.autograd.grad(f(a), a, create_graph=True)
+        g.sum().backward()
+
+    def replayed() -> None:
+        with replaygrad.enable(compiler):
+            second_order()
+
+    with pytest.raises(RuntimeError, match="does not currently support double backward"):
+        second_order()
+    with pytest.raises(RuntimeError, match="does not currently support double backward"):
+        replayed()
+
+
+class RaisingKey(torch.autograd.Function):
+    """A Function whose compiled-autograd key cannot be made."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.sin()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * x.cos()
+
+    @staticmethod
+    def _compiled_autograd_key(ctx):
+        raise AttributeError("no key")
+
+
+@pytest.mark.parametrize("compiler", FAST_COMPILERS)
+def test_a_function_whose_key_raises_runs_as_itself(compiler):
+    def run(backward):
+        torch.manual_seed(0)
+        x = torch.randn(5, requires_grad=True)
+        backward((RaisingKey.apply(x * 2) * x).sum())
+        return (), grads_of([x])
+
+    compare(run, compiler)
+
+
 @pytest.mark.parametrize("compiler", COMPILERS)
 def test_a_compiled_function_calling_autograd_grad(compiler):
     # The call breaks the function's graph, and Dynamo runs it with its frame evaluation on:
