@@ -366,6 +366,33 @@ def test_post_accumulate_grad_hook_sees_the_new_grad(compiler):
     compare(run, compiler)
 
 
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_a_hooked_accumulation_steals_a_gradient_its_producer_sent_elsewhere_too(compiler):
+    # The convolution's node sends the weight's gradient to its AccumulateGrad (run in
+    # place: it has a post-accumulate-grad hook) and the bias's to a later one. The engine
+    # moves each gradient into its input buffer, so the accumulation steals the weight's
+    # (keeping its strides, which in the depthwise weight's size-1 dim are not the
+    # weight's); the replay kept the node's outputs for the bias, and it made a copy.
+    def run(enabled: bool) -> tuple:
+        torch.manual_seed(0)
+        w = torch.randn(16, 1, 7, 7, requires_grad=True)
+        b = torch.randn(16, requires_grad=True)
+        seen = []
+        w.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.stride()))
+        x = torch.randn(2, 16, 2, 2).contiguous(memory_format=torch.channels_last)
+        loss = torch.nn.functional.conv2d(x, w, b, padding=3, groups=16).square().sum()
+        if enabled:
+            with replaygrad.enable(compiler):
+                loss.backward()
+        else:
+            loss.backward()
+        return seen, w.grad.stride(), w.grad, b.grad
+
+    expected, got = run(False), run(True)
+    assert expected[:2] == got[:2]
+    assert_same(expected[2:], got[2:], compiler is None, "grads")
+
+
 @pytest.mark.parametrize("compiler", FAST_COMPILERS)
 def test_optimizer_in_backward(compiler):
     # The post-accumulate-grad hook steps the parameter and frees its grad, as in

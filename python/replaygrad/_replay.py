@@ -2313,6 +2313,14 @@ def _region_source(
             dying[s] = [p for p in dying.get(s, ()) if p not in producers]
             if producers:
                 body.append(f"del {', '.join(f'o{p - start}' for p in producers)}")
+            # A producer whose other outputs go to later steps still holds the gradients
+            # it sent here (one output goes to one input; a gradient summed on arrival was
+            # dropped then): drop those.
+            for slot in range(len(slots)):
+                for p, i in steps[s][8][slot]:
+                    if start <= p < s and last[p] > s:
+                        q = f"o{p - start}"
+                        body.append(f"{q} = (*{q}[:{i}], None, *{q}[{i + 1}:])")
             # Nor `inc` (the driver hands a region its incoming gradients in a list of their
             # own, see _driver_source).
             taken = [incoming[(s, slot)] for slot in range(len(slots)) if (s, slot) in incoming]
